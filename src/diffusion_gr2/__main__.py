@@ -1,0 +1,20 @@
+"""``python -m diffusion_gr2`` runs the Kedro project like ``kedro run``."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from kedro.framework.cli.utils import find_run_command
+from kedro.framework.project import configure_project
+
+
+def main(*args, **kwargs) -> None:
+    package_name = Path(__file__).parent.name
+    configure_project(package_name)
+    run = find_run_command(package_name)
+    run(*args, **kwargs)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,123 @@
+"""Atomic artifact writes: a file or directory appears complete or not at all.
+
+Every artifact and checkpoint goes through these helpers so that a crash mid-write never leaves a
+half-written file for a downstream stage (or a resumed run) to read — DESIGN §6 "atomic writes".
+The pattern is always: write into a temp path in the *same* folder (same filesystem, so the rename
+is atomic), flush to disk, then ``os.replace`` onto the final name.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import IO, Any
+
+import pandas as pd
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["atomic_directory", "atomic_write_json", "atomic_write_parquet", "atomic_write_text"]
+
+
+def _json_default(obj: Any) -> Any:
+    """Serialise numpy scalars/arrays and paths, which ``json`` refuses by default."""
+    if hasattr(obj, "tolist"):  # numpy scalar or array
+        return obj.tolist()
+    if isinstance(obj, Path):
+        return str(obj)
+    raise TypeError(f"Object of type {type(obj).__name__} is not JSON serialisable")
+
+
+def _fsync_dir(folder: Path) -> None:
+    """Persist a rename by syncing the parent directory (best effort: not every OS allows it)."""
+    with contextlib.suppress(OSError):
+        fd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _atomic_write(path: str | Path, write: Callable[[IO[bytes]], None]) -> Path:
+    """Call ``write(handle)`` on a temp file beside ``path``, then replace ``path`` with it."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    tmp = Path(tmp_name)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            write(handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync_dir(path.parent)
+    return path
+
+
+def atomic_write_text(path: str | Path, text: str) -> Path:
+    """Write ``text`` (UTF-8) to ``path`` atomically; returns the final path."""
+    return _atomic_write(path, lambda handle: handle.write(text.encode("utf-8")))
+
+
+def atomic_write_json(path: str | Path, obj: Any, indent: int = 2) -> Path:
+    """Write ``obj`` as JSON to ``path`` atomically (numpy values allowed); returns the final path.
+
+    The object is serialised *before* the temp file is opened, so an unserialisable object raises
+    without touching the disk.
+    """
+    text = json.dumps(obj, indent=indent, default=_json_default, ensure_ascii=False, allow_nan=True)
+    return atomic_write_text(path, text + "\n")
+
+
+def atomic_write_parquet(df: pd.DataFrame, path: str | Path) -> Path:
+    """Write ``df`` to a parquet file at ``path`` atomically (pyarrow engine); returns the final path."""
+    return _atomic_write(path, lambda handle: df.to_parquet(handle, engine="pyarrow"))
+
+
+@contextlib.contextmanager
+def atomic_directory(path: str | Path) -> Iterator[Path]:
+    """Yield a temp directory beside ``path``; on success it replaces ``path``.
+
+    On an exception the temp directory is removed and an existing ``path`` is left untouched. When
+    ``path`` already exists it is first renamed aside, the new directory renamed in, and only then is
+    the old one deleted — so at every instant either the old or the new complete directory exists under
+    a known name (a crash between the two renames leaves ``<name>.old-*`` beside it, never a partial one).
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    _swap_directory(tmp, path)
+
+
+def _swap_directory(tmp: Path, path: Path) -> None:
+    """Move the finished ``tmp`` onto ``path``, removing the previous ``path`` after the rename."""
+    old: Path | None = None
+    if path.exists():
+        old = path.with_name(f".{path.name}.old-{uuid.uuid4().hex[:8]}")
+        os.replace(path, old)
+    try:
+        os.replace(tmp, path)
+    except BaseException:
+        if old is not None:  # put the previous version back so nothing is lost
+            os.replace(old, path)
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    _fsync_dir(path.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+    logger.debug("atomically wrote directory %s", path)

@@ -1,0 +1,29 @@
+"""Project pipelines: one folder per stage under ``pipelines/`` (DESIGN §2, §10)."""
+
+from __future__ import annotations
+
+from kedro.framework.project import find_pipelines
+from kedro.pipeline import Pipeline
+
+# `__default__` runs data_prep through evaluation; later stages join as they are built.
+DEFAULT_STAGES = (
+    "data_prep",
+    "semantic_ids",
+    "retrieval",
+    "traces",
+    "teacher",
+    "conversion",
+    "cft",
+    "opd",
+    "rl",
+    "inference",
+    "evaluation",
+)
+
+
+def register_pipelines() -> dict[str, Pipeline]:
+    pipelines = find_pipelines(raise_errors=True)
+    pipelines["__default__"] = sum(
+        (pipelines[name] for name in DEFAULT_STAGES if name in pipelines), Pipeline([])
+    )
+    return pipelines
