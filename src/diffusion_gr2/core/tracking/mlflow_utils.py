@@ -43,7 +43,10 @@ def flatten_numbers(report: Mapping[str, Any], sep: str = ".") -> dict[str, floa
 
 def as_metrics_history(report: Mapping[str, Any]) -> dict[str, dict[str, float | int]]:
     """A report in the format of kedro-mlflow's ``MlflowMetricsHistoryDataset`` (step 0)."""
-    return {name.replace("@", "_at_"): {"value": value, "step": 0} for name, value in flatten_numbers(report).items()}
+    return {
+        name.replace("@", "_at_"): {"value": value, "step": 0}
+        for name, value in flatten_numbers(report).items()
+    }
 
 
 def log_model_directory(model_dir: str | Path, name: str) -> None:

@@ -1,0 +1,161 @@
+"""Readers for the Amazon Reviews dumps: 2014 (McAuley), 2018 (Ni et al.) and 2023 (Hou et al.).
+
+All three are one record per line, plain or gzip. They differ in field names, in the metadata layout
+and in the timestamp unit (2023 uses milliseconds). Metadata is read first so that an interaction with
+an item absent from the metadata can be rejected as ``unknown_item`` while its raw line is at hand.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from diffusion_gr2.core.data.raw import (
+    RawDataset,
+    ReadConfig,
+    RejectRow,
+    Rejects,
+    build_raw_dataset,
+    flatten_categories,
+    item_row,
+    iter_lines,
+    parse_id,
+    parse_rating,
+    parse_record,
+    parse_timestamp,
+    require,
+)
+
+ItemRow = tuple[str, str, list[str], str, float, str]
+InteractionRow = tuple[str, str, int, float]
+
+
+@dataclass(frozen=True)
+class ReviewFields:
+    """Where one Amazon release keeps the interaction fields."""
+
+    user: str
+    item: str
+    rating: str
+    time: str
+    time_scale: int  # raw time units per second (1000 for the 2023 release's milliseconds)
+
+
+REVIEW_FIELDS = {
+    "amazon2014": ReviewFields("reviewerID", "asin", "overall", "unixReviewTime", 1),
+    "amazon2018": ReviewFields("reviewerID", "asin", "overall", "unixReviewTime", 1),
+    "amazon2023": ReviewFields("user_id", "parent_asin", "rating", "timestamp", 1000),
+}
+
+
+def meta_2014(record: dict[str, Any]) -> ItemRow:
+    """2014 metadata: ``categories`` is a list of category paths, ``description`` a string."""
+    asin = parse_id(require(record, "asin"), "asin")
+    categories = flatten_categories(record.get("categories"))
+    return item_row(
+        asin,
+        record.get("title"),
+        categories,
+        record.get("brand"),
+        record.get("price"),
+        record.get("description"),
+    )
+
+
+def meta_2018(record: dict[str, Any]) -> ItemRow:
+    """2018 metadata: ``category`` list, price string like ``"$12.99"``, ``description`` list."""
+    asin = parse_id(require(record, "asin"), "asin")
+    categories = flatten_categories(record.get("category")) or flatten_categories(record.get("main_cat"))
+    return item_row(
+        asin,
+        record.get("title"),
+        categories,
+        record.get("brand"),
+        record.get("price"),
+        record.get("description"),
+    )
+
+
+def meta_2023(record: dict[str, Any]) -> ItemRow:
+    """2023 metadata: keyed by ``parent_asin``; the brand is the ``store``."""
+    asin = parse_id(require(record, "parent_asin"), "parent_asin")
+    categories = flatten_categories(record.get("categories")) or flatten_categories(
+        record.get("main_category")
+    )
+    return item_row(
+        asin,
+        record.get("title"),
+        categories,
+        record.get("store"),
+        record.get("price"),
+        record.get("description"),
+    )
+
+
+META_PARSERS: dict[str, Callable[[dict[str, Any]], ItemRow]] = {
+    "amazon2014": meta_2014,
+    "amazon2018": meta_2018,
+    "amazon2023": meta_2023,
+}
+
+
+def read_meta_file(
+    path: Path, parse: Callable[[dict[str, Any]], ItemRow], rejects: Rejects, seen: set[str]
+) -> list[ItemRow]:
+    """Normalised metadata rows of one file; repeated item ids after the first are rejected."""
+    rows: list[ItemRow] = []
+    for number, text in iter_lines(path, rejects):
+        try:
+            row = parse(parse_record(text, allow_python_literal=True))
+            if row[0] in seen:
+                raise RejectRow("duplicate_item")
+        except RejectRow as reject:
+            rejects.add(path, number, reject.reason, text)
+            continue
+        seen.add(row[0])
+        rows.append(row)
+    return rows
+
+
+def parse_review(record: dict[str, Any], fields: ReviewFields, config: ReadConfig) -> InteractionRow:
+    """One interaction from a review record, or `RejectRow` with the first problem found."""
+    user = parse_id(require(record, fields.user), fields.user)
+    item = parse_id(require(record, fields.item), fields.item)
+    timestamp = parse_timestamp(require(record, fields.time), fields.time_scale)
+    rating = parse_rating(require(record, fields.rating), config)
+    return user, item, timestamp, rating
+
+
+def read_review_file(
+    path: Path, fields: ReviewFields, config: ReadConfig, rejects: Rejects, known_items: set[str] | None
+) -> list[InteractionRow]:
+    """Interactions of one review file; ``known_items`` (when metadata exists) rejects unknown items."""
+    rows: list[InteractionRow] = []
+    for number, text in iter_lines(path, rejects):
+        try:
+            row = parse_review(parse_record(text, allow_python_literal=False), fields, config)
+            if known_items is not None and row[1] not in known_items:
+                raise RejectRow("unknown_item")
+        except RejectRow as reject:
+            rejects.add(path, number, reject.reason, text)
+            continue
+        rows.append(row)
+    return rows
+
+
+def read_amazon(
+    fmt: str, review_files: list[Path], meta_files: list[Path], config: ReadConfig, source: Path
+) -> RawDataset:
+    """Read one Amazon release (``fmt`` in `REVIEW_FIELDS`) from its review and metadata files."""
+    rejects = Rejects()
+    seen: set[str] = set()
+    items: list[ItemRow] = []
+    for path in meta_files:
+        items.extend(read_meta_file(path, META_PARSERS[fmt], rejects, seen))
+    known = seen if meta_files else None
+    interactions: list[InteractionRow] = []
+    for path in review_files:
+        interactions.extend(read_review_file(path, REVIEW_FIELDS[fmt], config, rejects, known))
+    return build_raw_dataset(interactions, items, rejects, fmt, source, has_metadata=bool(meta_files))

@@ -1,0 +1,216 @@
+"""From a `RawDataset` to the validated frames every later stage reads (DESIGN §3 "Preparation").
+
+Order of operations: optional rating filter (off by default) → stable chronological sort (ties keep
+file order) → drop repeated (user, item) pairs keeping the earliest → iterative k-core on users and
+items → remap ids (items with a seeded shuffle) → leave-one-out split → schema validation → statistics.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from diffusion_gr2.core.data.raw import RawDataset, check_reject_share
+from diffusion_gr2.core.data.schemas import interactions_schema, items_schema, splits_schema, validate
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "PrepConfig",
+    "PreparedData",
+    "data_stats",
+    "k_core_mask",
+    "leave_one_out",
+    "prepare",
+    "remap_items",
+]
+
+MIN_USER_INTERACTIONS = 3  # leave-one-out needs one train, one validation and one test interaction
+
+
+@dataclass(frozen=True)
+class PrepConfig:
+    """Preparation parameters (defaults reproduce the papers' Beauty statistics)."""
+
+    dedup: bool = True  # drop repeated (user, item) pairs, keeping the earliest
+    k_core: int = 5  # iterative: every kept user and item has >= k interactions
+    history_cap: int = 20  # max history length shown downstream (candidates, prompts); splits stay uncapped
+    seed: int = 42  # seeds the item-id shuffle
+    max_reject_share: float | None = 0.05  # per raw file; above it preparation stops (None: never)
+    min_rating: float | None = None  # keep only ratings >= this; None = no rating filter (DESIGN §3)
+
+    @classmethod
+    def from_params(cls, params: Mapping[str, Any]) -> PrepConfig:
+        """Build from a parameters mapping, ignoring keys that belong to other steps (e.g. ``dataset``)."""
+        names = {f.name for f in fields(cls)}
+        return cls(**{key: value for key, value in params.items() if key in names})
+
+
+@dataclass(frozen=True)
+class PreparedData:
+    """Validated outputs of `prepare` (frames as in docs/architecture.md) and ``data_stats.json``."""
+
+    interactions: pd.DataFrame
+    items: pd.DataFrame
+    splits: pd.DataFrame
+    stats: dict[str, Any]
+
+
+def rating_filter(frame: pd.DataFrame, min_rating: float | None) -> pd.DataFrame:
+    """Keep interactions rated >= ``min_rating`` (all of them when None; unrated rows fail a set bound)."""
+    if min_rating is None:
+        return frame
+    kept = frame[frame["rating"] >= min_rating]
+    logger.info("rating filter (>= %s) dropped %d rows", min_rating, len(frame) - len(kept))
+    return kept
+
+
+def chronological_dedup(frame: pd.DataFrame, dedup: bool) -> pd.DataFrame:
+    """Sort by time (stable: ties keep file order) and optionally keep the first of repeated pairs.
+
+    ``order`` (the row's position in the raw files) is added to break timestamp ties later on.
+    """
+    frame = frame.assign(order=np.arange(len(frame), dtype=np.int64))
+    frame = frame.sort_values("timestamp", kind="stable")
+    if dedup:
+        before = len(frame)
+        frame = frame.drop_duplicates(["raw_user_id", "raw_item_id"], keep="first")
+        logger.info("dedup dropped %d repeated (user, item) rows", before - len(frame))
+    return frame
+
+
+def k_core_mask(users: np.ndarray, items: np.ndarray, k_user: int, k_item: int) -> np.ndarray:
+    """Rows that survive iterative k-core filtering: users with >= k_user and items with >= k_item rows.
+
+    ``users``/``items``: [n] integer codes. Repeats until nothing changes, because dropping a sparse
+    item can push a user below the threshold and vice versa.
+    """
+    keep = np.ones(len(users), dtype=bool)
+    for rounds in range(1, len(users) + 2):
+        user_counts = np.bincount(users[keep], minlength=users.max(initial=-1) + 1)
+        item_counts = np.bincount(items[keep], minlength=items.max(initial=-1) + 1)
+        new_keep = keep & (user_counts[users] >= k_user) & (item_counts[items] >= k_item)
+        if new_keep.sum() == keep.sum():
+            logger.info("k-core converged after %d round(s)", rounds)
+            break
+        keep = new_keep
+    return keep
+
+
+def apply_k_core(frame: pd.DataFrame, k: int) -> pd.DataFrame:
+    """Iterative k-core on ``raw_user_id``/``raw_item_id``; users also need enough rows to split."""
+    users = pd.factorize(frame["raw_user_id"])[0]
+    items = pd.factorize(frame["raw_item_id"])[0]
+    keep = k_core_mask(users, items, max(k, MIN_USER_INTERACTIONS), k)
+    logger.info("k-core (k=%d) kept %d of %d interactions", k, int(keep.sum()), len(frame))
+    return frame[keep]
+
+
+def remap_items(raw_ids: pd.Series, seed: int) -> dict[str, int]:
+    """Raw item id → 0..I-1 by a seeded shuffle of the sorted raw ids.
+
+    A shuffle rather than numbering in order of appearance: consecutive ids along user histories leak
+    the next item to a model that reads ids (a known flaw of public pipelines, DESIGN §3). Sorting
+    first makes the mapping independent of row order.
+    """
+    ordered = np.sort(raw_ids.unique().astype(str))
+    permutation = np.random.default_rng(seed).permutation(len(ordered))
+    return dict(zip(ordered.tolist(), permutation.tolist(), strict=True))
+
+
+def remap_users(raw_ids: pd.Series) -> dict[str, int]:
+    """Raw user id → 0..U-1 in sorted raw-id order (deterministic, independent of row order)."""
+    ordered = np.sort(raw_ids.unique().astype(str))
+    return {raw: index for index, raw in enumerate(ordered.tolist())}
+
+
+def remapped_interactions(frame: pd.DataFrame, users: dict[str, int], items: dict[str, int]) -> pd.DataFrame:
+    """The ``interactions`` frame: integer ids, sorted by user then time, ties by file order."""
+    out = pd.DataFrame(
+        {
+            "user_id": frame["raw_user_id"].map(users).to_numpy(np.int64),
+            "item_id": frame["raw_item_id"].map(items).to_numpy(np.int64),
+            "timestamp": frame["timestamp"].to_numpy(np.int64),
+            "rating": frame["rating"].to_numpy(np.float64),
+        }
+    )
+    order = np.lexsort((frame["order"].to_numpy(), out["timestamp"].to_numpy(), out["user_id"].to_numpy()))
+    return out.iloc[order].reset_index(drop=True)
+
+
+def catalogue(raw: RawDataset, items: dict[str, int]) -> pd.DataFrame:
+    """The ``items`` frame for the kept items, by item id; empty text fields when there is no metadata."""
+    kept = pd.DataFrame({"raw_item_id": list(items), "item_id": np.fromiter(items.values(), np.int64)})
+    if raw.has_metadata:
+        frame = kept.merge(raw.items, on="raw_item_id", how="left", validate="one_to_one")
+    else:
+        logger.warning("%s has no item metadata: titles, categories and descriptions are empty", raw.source)
+        frame = kept.assign(title="", brand="", price=np.nan, description="")
+        frame["categories"] = [[] for _ in range(len(frame))]
+    columns = ["item_id", "raw_item_id", "title", "categories", "brand", "price", "description"]
+    return frame[columns].sort_values("item_id").reset_index(drop=True)
+
+
+def leave_one_out(interactions: pd.DataFrame) -> pd.DataFrame:
+    """The ``splits`` frame: per user, last item = test, second-to-last = validation, the rest train.
+
+    ``interactions`` must be sorted by user then time with >= 3 rows per user.
+    """
+    users = interactions["user_id"].to_numpy()
+    items = interactions["item_id"].to_numpy()
+    times = interactions["timestamp"].to_numpy()
+    starts = np.flatnonzero(np.r_[True, users[1:] != users[:-1]]) if len(users) else np.array([], int)
+    ends = np.r_[starts[1:], len(users)].astype(int)
+    return pd.DataFrame(
+        {
+            "user_id": users[starts].astype(np.int64),
+            "train_items": [items[s : e - 2].tolist() for s, e in zip(starts, ends, strict=True)],
+            "train_timestamps": [times[s : e - 2].tolist() for s, e in zip(starts, ends, strict=True)],
+            "valid_item": items[ends - 2].astype(np.int64),
+            "valid_timestamp": times[ends - 2].astype(np.int64),
+            "test_item": items[ends - 1].astype(np.int64),
+            "test_timestamp": times[ends - 1].astype(np.int64),
+        }
+    )
+
+
+def data_stats(raw: RawDataset, interactions: pd.DataFrame, num_items: int) -> dict[str, Any]:
+    """``data_stats.json`` with exactly the keys of DESIGN §10, as plain Python numbers."""
+    lengths = interactions.groupby("user_id").size()
+    n_users, n_rows = int(lengths.size), len(interactions)
+    return {
+        "users": n_users,
+        "items": int(num_items),
+        "interactions": int(n_rows),
+        "mean_history": round(float(lengths.mean()), 4) if n_users else 0.0,
+        "median_history": float(lengths.median()) if n_users else 0.0,
+        "splits": {"train": n_rows - 2 * n_users, "valid": n_users, "test": n_users},
+        "rows_read": int(raw.rows_read),
+        "rows_rejected": len(raw.rejects),
+        "rejected_by_reason": raw.rejected_by_reason(),
+    }
+
+
+def prepare(raw: RawDataset, config: PrepConfig | None = None) -> PreparedData:
+    """Optional rating filter, dedup, iterative k-core, chronological sort, seeded remap, leave-one-out
+    split, schema validation; see the module docstring for the order."""
+    config = config or PrepConfig()
+    check_reject_share(raw, config.max_reject_share)
+    frame = chronological_dedup(rating_filter(raw.interactions, config.min_rating), config.dedup)
+    frame = apply_k_core(frame, config.k_core)
+    if frame.empty:
+        raise ValueError(f"{raw.source}: no interactions left after {config.k_core}-core filtering")
+    item_map = remap_items(frame["raw_item_id"], config.seed)
+    interactions = remapped_interactions(frame, remap_users(frame["raw_user_id"]), item_map)
+    num_items = len(item_map)
+    interactions = validate(interactions, interactions_schema(num_items, config.dedup), "interactions")
+    items = validate(catalogue(raw, item_map), items_schema(num_items), "items")
+    splits = validate(leave_one_out(interactions), splits_schema(num_items, not config.dedup), "splits")
+    stats = data_stats(raw, interactions, num_items)
+    logger.info("prepared %s: %s", raw.source, stats)
+    return PreparedData(interactions=interactions, items=items, splits=splits, stats=stats)

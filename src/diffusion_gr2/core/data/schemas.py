@@ -1,0 +1,243 @@
+"""Pandera schemas for the frames that cross pipeline boundaries (docs/architecture.md "Data").
+
+Schemas are built by functions because some bounds depend on the data (the catalogue size) and on
+the preparation (repeated pairs are only forbidden after dedup). `validate` runs a schema lazily and
+raises one `SchemaValidationError` naming the dataset, each failing column and check, and the rows.
+List cells are accepted as lists or numpy arrays, since parquet round trips return arrays.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import pandera.pandas as pa
+
+from diffusion_gr2.core.data.raw import MAX_TIMESTAMP_S
+
+__all__ = [
+    "INTERACTIONS",
+    "ITEMS",
+    "SPLITS",
+    "SchemaValidationError",
+    "interactions_schema",
+    "items_schema",
+    "rejects_schema",
+    "splits_schema",
+    "validate",
+]
+
+MAX_EXAMPLES = 5  # failing rows shown per check in the error message
+
+
+class SchemaValidationError(ValueError):
+    """A frame failed its schema; ``failure_cases`` holds pandera's full table."""
+
+    def __init__(self, message: str, failure_cases: pd.DataFrame) -> None:
+        super().__init__(message)
+        self.failure_cases = failure_cases
+
+
+def _is_seq(value: Any) -> bool:
+    return isinstance(value, list | tuple | np.ndarray)
+
+
+def _int_list_in_range(value: Any, num_items: int | None, non_empty: bool) -> bool:
+    """A list of ints (optionally non-empty, optionally all in ``[0, num_items)``)."""
+    if not _is_seq(value) or (non_empty and len(value) == 0):
+        return False
+    if not all(isinstance(v, int | np.integer) for v in value):
+        return False
+    return num_items is None or all(0 <= int(v) < num_items for v in value)
+
+
+def _str_list(value: Any) -> bool:
+    return _is_seq(value) and all(isinstance(v, str) for v in value)
+
+
+def _non_decreasing(value: Any) -> bool:
+    return _is_seq(value) and bool(np.all(np.diff(np.asarray(value, dtype=np.int64)) >= 0))
+
+
+def _contiguous(frame_or_series: pd.Series) -> bool:
+    """Ids are exactly 0..n-1 (each may repeat): remapping leaves no holes."""
+    values = frame_or_series.unique()
+    return len(values) == 0 or (values.min() == 0 and values.max() == len(values) - 1)
+
+
+def _sorted_by_user_time(df: pd.DataFrame) -> pd.Series:
+    """Row-wise: each row comes after the previous one in (user, time) order."""
+    user, time = df["user_id"], df["timestamp"]
+    prev_user, prev_time = user.shift(1), time.shift(1)
+    return prev_user.isna() | (user > prev_user) | ((user == prev_user) & (time >= prev_time))
+
+
+def _id_column(n: int | None = None, unique: bool = False) -> pa.Column:
+    checks = [pa.Check.ge(0)] if n is None else [pa.Check.in_range(0, n - 1)]
+    return pa.Column("int64", checks, unique=unique)
+
+
+def _timestamp_column() -> pa.Column:
+    return pa.Column("int64", pa.Check.in_range(0, MAX_TIMESTAMP_S))
+
+
+def interactions_schema(num_items: int | None = None, unique_pairs: bool = True) -> pa.DataFrameSchema:
+    """``user_id`` 0..U-1, ``item_id`` in the catalogue, unix-second ``timestamp``, ``rating`` (NaN ok);
+    sorted by user then time; (user, item) pairs unique after dedup."""
+    return pa.DataFrameSchema(
+        {
+            "user_id": pa.Column("int64", [pa.Check.ge(0), pa.Check(_contiguous, name="ids_contiguous")]),
+            "item_id": _id_column(num_items),
+            "timestamp": _timestamp_column(),
+            "rating": pa.Column("float64", nullable=True),
+        },
+        checks=[pa.Check(_sorted_by_user_time, name="sorted_by_user_then_time")],
+        unique=["user_id", "item_id"] if unique_pairs else None,
+        strict=True,
+        name="interactions",
+    )
+
+
+def items_schema(num_items: int | None = None) -> pa.DataFrameSchema:
+    """One row per catalogue item: ids unique and contiguous, text fields strings, price >= 0 or NaN."""
+    return pa.DataFrameSchema(
+        {
+            "item_id": pa.Column(
+                "int64",
+                [pa.Check.ge(0), pa.Check(_contiguous, name="ids_contiguous")]
+                + ([pa.Check.in_range(0, num_items - 1)] if num_items is not None else []),
+                unique=True,
+            ),
+            "raw_item_id": pa.Column(str, pa.Check.str_length(min_value=1), unique=True),
+            "title": pa.Column(str),
+            "categories": pa.Column(object, pa.Check(_str_list, element_wise=True, name="list_of_str")),
+            "brand": pa.Column(str),
+            "price": pa.Column("float64", pa.Check.ge(0), nullable=True),
+            "description": pa.Column(str),
+        },
+        strict=True,
+        name="items",
+    )
+
+
+def _split_frame_checks(allow_repeats: bool) -> list[pa.Check]:
+    """Cross-column rules of a leave-one-out split (chronology and no target leakage)."""
+
+    def lengths_match(df: pd.DataFrame) -> pd.Series:
+        return df["train_items"].map(len) == df["train_timestamps"].map(len)
+
+    def valid_after_train(df: pd.DataFrame) -> pd.Series:
+        last = df["train_timestamps"].map(lambda ts: max(ts) if len(ts) else -1)
+        return df["valid_timestamp"] >= last
+
+    def test_after_valid(df: pd.DataFrame) -> pd.Series:
+        return df["test_timestamp"] >= df["valid_timestamp"]
+
+    def not_in_train(column: str) -> Any:
+        def check(df: pd.DataFrame) -> pd.Series:
+            pairs = zip(df[column], df["train_items"], strict=True)
+            return pd.Series([int(t) not in set(map(int, tr)) for t, tr in pairs], index=df.index)
+
+        return check
+
+    checks = [
+        pa.Check(lengths_match, name="train_lengths_match"),
+        pa.Check(valid_after_train, name="valid_not_before_train"),
+        pa.Check(test_after_valid, name="test_not_before_valid"),
+    ]
+    if not allow_repeats:
+        checks += [
+            pa.Check(not_in_train("test_item"), name="test_item_not_in_train"),
+            pa.Check(not_in_train("valid_item"), name="valid_item_not_in_train"),
+            pa.Check(lambda df: df["valid_item"] != df["test_item"], name="valid_item_not_test_item"),
+        ]
+    return checks
+
+
+def splits_schema(num_items: int | None = None, allow_repeats: bool = False) -> pa.DataFrameSchema:
+    """One row per user: non-empty chronological train part, then validation, then test item.
+
+    ``allow_repeats`` lifts the "target not in the user's train items" rules for data prepared
+    without dedup, where re-consumption is legitimate.
+    """
+    return pa.DataFrameSchema(
+        {
+            "user_id": _id_column(unique=True),
+            "train_items": pa.Column(
+                object,
+                pa.Check(
+                    lambda v: _int_list_in_range(v, num_items, True), element_wise=True, name="items_list"
+                ),
+            ),
+            "train_timestamps": pa.Column(
+                object, pa.Check(_non_decreasing, element_wise=True, name="timestamps_non_decreasing")
+            ),
+            "valid_item": _id_column(num_items),
+            "valid_timestamp": _timestamp_column(),
+            "test_item": _id_column(num_items),
+            "test_timestamp": _timestamp_column(),
+        },
+        checks=_split_frame_checks(allow_repeats),
+        strict=True,
+        name="splits",
+    )
+
+
+def rejects_schema() -> pa.DataFrameSchema:
+    """Rejected raw lines: file, 1-based line, reason code, raw excerpt."""
+    return pa.DataFrameSchema(
+        {
+            "file": pa.Column(str),
+            "line": pa.Column("int64", pa.Check.ge(1)),
+            "reason": pa.Column(str, pa.Check.str_length(min_value=1)),
+            "raw": pa.Column(str, pa.Check.str_length(max_value=500)),
+        },
+        strict=True,
+        name="rejects",
+    )
+
+
+def _describe_failures(name: str, cases: pd.DataFrame) -> str:
+    """One line per failing check: the column (or the columns of a frame-level rule), rows, values."""
+    groups = cases.groupby(["schema_context", "check"], dropna=False, sort=False)
+    lines = [f"dataset '{name}' failed {groups.ngroups} schema check(s):"]
+    for (context, check), group in groups:
+        columns = list(dict.fromkeys(group["column"].dropna().tolist()))
+        rows = group["index"].dropna().unique().tolist()
+        where_rows = f"rows {_sample(rows)}" if rows else "the column as a whole"
+        if context == "Column" or len(columns) == 1:
+            values = _sample(group["failure_case"].tolist())
+            lines.append(
+                f"  column '{columns[0] if columns else None}', check '{check}': {where_rows}; values {values}"
+            )
+            continue
+        first = group[group["index"] == rows[0]] if rows else group.head(0)
+        example = {c: _plain(v) for c, v in zip(first["column"], first["failure_case"], strict=True)}
+        lines.append(f"  frame-level check '{check}': {where_rows}; first row {example}")
+    return "\n".join(lines)
+
+
+def _plain(value: Any) -> Any:
+    return value.tolist() if hasattr(value, "tolist") else value
+
+
+def _sample(values: Sequence[Any]) -> str:
+    shown = [_plain(v) for v in values[:MAX_EXAMPLES]]
+    return f"{shown}{' ...' if len(values) > MAX_EXAMPLES else ''}"
+
+
+def validate(df: pd.DataFrame, schema: pa.DataFrameSchema, name: str) -> pd.DataFrame:
+    """Validate ``df`` against ``schema`` (all checks, lazily); return it or raise `SchemaValidationError`."""
+    try:
+        return schema.validate(df, lazy=True)
+    except pa.errors.SchemaErrors as err:
+        cases = err.failure_cases
+        raise SchemaValidationError(_describe_failures(name, cases), cases) from None
+
+
+# Data-independent versions for frames read back at a stage boundary (no catalogue bound; dedup assumed)
+INTERACTIONS = interactions_schema()
+ITEMS = items_schema()
+SPLITS = splits_schema()

@@ -1,0 +1,318 @@
+"""One decoder for AR (block size 1) and block diffusion (block size k) -- DESIGN §8.
+
+Fast-dLLM v2 style: the prompt is prefilled once; its last logit gives the first response token.
+Per block: the canvas `[first token, MASK x (k-1)]` is run against the cached prefix, one forward per
+step; each step commits every masked position whose probability exceeds tau plus the single most
+confident one (guarantees progress -- Fast-dLLM v2); after `max_steps_per_block` steps the rest is
+filled. The finished block is run once more to write its keys/values (the cache only ever holds clean
+blocks, so it is exact) and its last logit gives the next block's first token. Block size 1 is plain
+greedy/sampled AR decoding with a KV cache, one forward per token.
+
+Batching: prompts are left-padded (with matching position ids and masks) and all rows of a batch
+decode the same block together; a row that finished its block waits (it is neither changed nor
+charged a forward), and rows that reached the end of output leave the batch.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+from transformers import DynamicCache, PreTrainedModel
+
+from diffusion_gr2.core.model.diffusion import cached_block_hidden, layout_hidden, lm_logits
+from diffusion_gr2.core.model.masks import (
+    Layout,
+    prompt_response_layout,
+)
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["DecodeConfig", "DecodeOutput", "decode"]
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """How to decode; the defaults are greedy AR decoding."""
+
+    block_size: int = 1  # k; 1 = autoregressive
+    threshold: float = 0.9  # tau: commit masked positions whose probability exceeds it (Fast-dLLM v2)
+    max_new_tokens: int = 256  # per row, end-of-output token included
+    max_steps_per_block: int | None = None  # None -> block_size (k - 1 steps always suffice)
+    do_sample: bool = False  # False = arg-max
+    temperature: float = 1.0  # only when sampling
+    eos_token_ids: tuple[int, ...] = ()  # end-of-output tokens (`<|im_end|>`)
+    mask_token_id: int | None = None  # required for block_size > 1
+    pad_token_id: int = 0  # left padding of prompts (never attended to)
+    batch_size: int = 16  # rows decoded together
+    seed: int = 0  # sampling generator
+    recompute: bool = False  # debugging: no KV cache, re-run the whole sequence at every step
+
+
+@dataclass(frozen=True)
+class DecodeOutput:
+    """One decoded row. Lists are aligned with `tokens`, which end with (and include) the eos token."""
+
+    tokens: list[int]
+    commit_steps: list[int]  # step inside its block (block's first token = 0, first forward = 1, ...)
+    nfe: int  # forward passes this row needed (prefill included)
+    token_logprobs: list[float]  # log-prob under the distribution the token was committed from
+    # Canvas of the final block after the last output token (MASK where never committed) and its
+    # commit steps (-1 = never). Tokens committed there were visible to later commits; replay needs them.
+    tail_tokens: list[int] = field(default_factory=list)
+    tail_steps: list[int] = field(default_factory=list)
+
+
+class _CachedRunner:
+    """Forwards against an exact KV cache that holds the prompt and the committed (clean) blocks."""
+
+    def __init__(self, model: PreTrainedModel, prompt_ids: Tensor, layout: Layout) -> None:
+        self.model, self.prompt_ids, self.layout = model, prompt_ids, layout
+        self.cache = DynamicCache(config=model.config)
+        self.n = 0  # columns held by the cache
+
+    def prefill(self) -> Tensor:
+        """[b, v] logits at the last prompt position (left padding: the last column)."""
+        self.n = self.prompt_ids.shape[1]
+        hidden = layout_hidden(self.model, self.prompt_ids, self.layout.head(self.n), cache=self.cache)
+        return lm_logits(self.model, hidden[:, -1])
+
+    def _run(self, block: Tensor, keep: int) -> Tensor:
+        """Run `block` [b, k] after the cache (appending its keys/values); logits of its last `keep`."""
+        self.n += block.shape[1]
+        hidden = cached_block_hidden(self.model, block, self.layout.head(self.n), self.cache)
+        return lm_logits(self.model, hidden[:, -keep:])
+
+    def step(self, canvas: Tensor) -> Tensor:
+        """[b, k, v] logits of a noisy canvas; the cache is left unchanged."""
+        logits = self._run(canvas, canvas.shape[1])
+        self.cache.crop(-canvas.shape[1])  # transformers 5: negative = number of tokens to drop
+        self.n -= canvas.shape[1]
+        return logits
+
+    def commit(self, block: Tensor) -> Tensor:
+        """Write a clean block [b, k] to the cache; [b, v] logits at its last position."""
+        return self._run(block, 1)[:, -1]
+
+    def keep(self, rows: Tensor) -> None:
+        """Drop every row not in `rows`."""
+        self.cache.batch_select_indices(rows)
+        self.layout, self.prompt_ids = self.layout.rows(rows), self.prompt_ids[rows]
+
+
+class _RecomputeRunner:
+    """Debugging twin of `_CachedRunner`: no cache, the whole sequence is re-run with the full mask."""
+
+    def __init__(self, model: PreTrainedModel, prompt_ids: Tensor, layout: Layout) -> None:
+        self.model, self.seq, self.layout = model, prompt_ids, layout
+
+    def _run(self, ids: Tensor, last: int) -> Tensor:
+        hidden = layout_hidden(self.model, ids, self.layout.head(ids.shape[1]))
+        return lm_logits(self.model, hidden[:, -last:])
+
+    def prefill(self) -> Tensor:
+        return self._run(self.seq, 1)[:, -1]
+
+    def step(self, canvas: Tensor) -> Tensor:
+        return self._run(torch.cat([self.seq, canvas], 1), canvas.shape[1])
+
+    def commit(self, block: Tensor) -> Tensor:
+        self.seq = torch.cat([self.seq, block], 1)
+        return self._run(self.seq, 1)[:, -1]
+
+    def keep(self, rows: Tensor) -> None:
+        self.seq, self.layout = self.seq[rows], self.layout.rows(rows)
+
+
+def _choose(logits: Tensor, cfg: DecodeConfig, gen: torch.Generator) -> tuple[Tensor, Tensor]:
+    """Tokens and their log-probs `[...]` from logits `[..., v]` (arg-max, or a seeded sample)."""
+    x = logits.float() / cfg.temperature if cfg.do_sample else logits.float()
+    logp = torch.log_softmax(x, -1)
+    if cfg.do_sample:
+        flat = torch.multinomial(logp.exp().reshape(-1, x.shape[-1]), 1, generator=gen)
+        tokens = flat.view(x.shape[:-1])
+    else:
+        tokens = x.argmax(-1)
+    return tokens, logp.gather(-1, tokens[..., None]).squeeze(-1)
+
+
+def _commit_mask(cand: Tensor, logp: Tensor, threshold: float, fill: bool) -> Tensor:
+    """[b, m] positions to commit among candidates `cand`: above tau, plus the most confident one."""
+    if fill:  # step cap reached: fill every remaining position
+        return cand
+    conf = logp.exp().masked_fill(~cand, -1.0)
+    best = torch.zeros_like(cand).scatter_(1, conf.argmax(1, keepdim=True), True)
+    return cand & ((conf > threshold) | best)
+
+
+def _relevant(block: Tensor, masked: Tensor, limit: int, eos: Tensor) -> Tensor:
+    """[b, k] positions that can still reach the output: up to the first committed eos and the limit."""
+    is_eos = torch.isin(block, eos) & ~masked
+    after_eos = (is_eos.long().cumsum(1) - is_eos.long()) > 0
+    return ~after_eos & (torch.arange(block.shape[1], device=block.device) < limit)
+
+
+@dataclass
+class _Block:
+    """Canvas of the current block for every active row, with its commit record; all `[b, k]`."""
+
+    tokens: Tensor
+    steps: Tensor  # commit step, -1 while masked
+    logps: Tensor
+    masked: Tensor
+    nfe: Tensor  # [b] step forwards each row needed
+
+    @classmethod
+    def start(cls, first: Tensor, first_logp: Tensor, k: int, mask_id: int) -> _Block:
+        b, dev = first.shape[0], first.device
+        tokens = torch.full((b, k), mask_id, dtype=torch.long, device=dev)
+        tokens[:, 0] = first
+        steps = torch.full((b, k), -1, dtype=torch.long, device=dev)
+        steps[:, 0] = 0
+        logps = torch.zeros(b, k, device=dev)
+        logps[:, 0] = first_logp
+        masked = torch.ones(b, k, dtype=torch.bool, device=dev)
+        masked[:, 0] = False
+        return cls(tokens, steps, logps, masked, torch.zeros(b, dtype=torch.long, device=dev))
+
+    def apply(self, commit: Tensor, tokens: Tensor, logps: Tensor, step: int) -> None:
+        """Commit positions 1..k-1 where `commit` [b, k-1] is set."""
+        self.tokens[:, 1:] = torch.where(commit, tokens, self.tokens[:, 1:])
+        self.logps[:, 1:] = torch.where(commit, logps, self.logps[:, 1:])
+        self.steps[:, 1:] = torch.where(commit, step, self.steps[:, 1:])
+        self.masked[:, 1:] &= ~commit
+
+
+def _denoise_block(
+    runner: _CachedRunner | _RecomputeRunner,
+    blk: _Block,
+    cfg: DecodeConfig,
+    limit: int,
+    eos: Tensor,
+    gen: torch.Generator,
+) -> None:
+    """Unmask `blk` step by step; rows whose relevant positions are all committed stop taking part."""
+    k = blk.tokens.shape[1]
+    max_steps = cfg.max_steps_per_block or k
+    for step in range(1, max_steps + 1):
+        need = (blk.masked & _relevant(blk.tokens, blk.masked, limit, eos)).any(1)  # [b]
+        if not bool(need.any()):
+            return
+        logits = runner.step(blk.tokens)[:, :-1]  # [b, k-1, v]: position i-1 predicts token i
+        tokens, logps = _choose(logits, cfg, gen)
+        cand = blk.masked[:, 1:] & need[:, None]
+        blk.apply(_commit_mask(cand, logps, cfg.threshold, step == max_steps), tokens, logps, step)
+        blk.nfe += need
+
+
+def _left_pad(prompts: Sequence[Sequence[int]], pad_id: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    """Left-padded ids and validity `[b, p]`: every row's last prompt token sits in the last column."""
+    if any(len(p) == 0 for p in prompts):
+        raise ValueError("every prompt needs at least one token")
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    valid = torch.zeros(len(prompts), width, dtype=torch.bool)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p) :] = torch.tensor(list(p), dtype=torch.long)
+        valid[i, width - len(p) :] = True
+    return ids.to(device), valid.to(device)
+
+
+@dataclass
+class _Record:
+    """What one row has produced so far."""
+
+    tokens: list[int] = field(default_factory=list)
+    steps: list[int] = field(default_factory=list)
+    logps: list[float] = field(default_factory=list)
+    nfe: int = 1  # the prefill
+    tail_tokens: list[int] = field(default_factory=list)
+    tail_steps: list[int] = field(default_factory=list)
+
+    def add_block(
+        self, tokens: list[int], steps: list[int], logps: list[float], limit: int, eos: set[int]
+    ) -> bool:
+        """Append a finished block, cut after the first eos / at `limit`; True when an eos was hit."""
+        cut = next((i for i, t in enumerate(tokens[:limit]) if t in eos), None)
+        end = limit if cut is None else cut + 1
+        self.tokens += tokens[:end]
+        self.steps += steps[:end]
+        self.logps += logps[:end]
+        self.tail_tokens, self.tail_steps = tokens[end:], steps[end:]
+        return cut is not None
+
+    def output(self) -> DecodeOutput:
+        return DecodeOutput(self.tokens, self.steps, self.nfe, self.logps, self.tail_tokens, self.tail_steps)
+
+
+def _record_block(
+    records: list[_Record], active: list[int], blk: _Block, limit: int, eos: set[int], last_block: bool
+) -> list[int]:
+    """Store each active row's block; returns the batch positions of the rows that continue."""
+    tokens, steps, logps, nfe = blk.tokens.tolist(), blk.steps.tolist(), blk.logps.tolist(), blk.nfe.tolist()
+    keep = []
+    for i, r in enumerate(active):
+        records[r].nfe += nfe[i]
+        if not records[r].add_block(tokens[i], steps[i], logps[i], limit, eos) and not last_block:
+            keep.append(i)
+    return keep
+
+
+def _decode_batch(
+    model: PreTrainedModel, prompts: Sequence[Sequence[int]], cfg: DecodeConfig, gen: torch.Generator
+) -> list[DecodeOutput]:
+    """Decode one batch of prompts; outputs in the same order."""
+    k, dev = cfg.block_size, model.device
+    ids, valid = _left_pad(prompts, cfg.pad_token_id, dev)
+    n_blocks = math.ceil(cfg.max_new_tokens / k)
+    layout = prompt_response_layout(
+        valid, torch.ones(len(prompts), n_blocks * k, dtype=torch.bool, device=dev), k
+    )
+    runner = (_RecomputeRunner if cfg.recompute else _CachedRunner)(model, ids, layout)
+    eos_t, eos = torch.tensor(cfg.eos_token_ids, dtype=torch.long, device=dev), set(cfg.eos_token_ids)
+    records = [_Record() for _ in prompts]
+    active = list(range(len(prompts)))  # record index of each row still in the batch
+    last = runner.prefill()  # [b, v]
+    for b_idx in range(n_blocks):
+        limit = min(k, cfg.max_new_tokens - b_idx * k)
+        blk = _Block.start(*_choose(last, cfg, gen), k, cfg.mask_token_id if k > 1 else cfg.pad_token_id)
+        if k > 1:
+            _denoise_block(runner, blk, cfg, limit, eos_t, gen)
+        keep = _record_block(records, active, blk, limit, eos, last_block=b_idx == n_blocks - 1)
+        if not keep:
+            break
+        if len(keep) < len(active):  # finished rows leave the batch
+            rows = torch.tensor(keep, device=dev)
+            runner.keep(rows)
+            blk.tokens = blk.tokens[rows]
+            active = [active[i] for i in keep]
+        last = runner.commit(blk.tokens)
+        for r in active:
+            records[r].nfe += 1
+    return [r.output() for r in records]
+
+
+@torch.inference_mode()
+def decode(
+    model: PreTrainedModel, prompts: Sequence[Sequence[int]], config: DecodeConfig
+) -> list[DecodeOutput]:
+    """Decode every prompt (token ids) with `model`; one `DecodeOutput` per prompt, in order.
+
+    Prompts are batched `config.batch_size` at a time, longest first (less left padding); greedy
+    results do not depend on the batching.
+    """
+    if config.block_size > 1 and config.mask_token_id is None:
+        raise ValueError("block_size > 1 needs mask_token_id")
+    gen = torch.Generator(device=model.device).manual_seed(config.seed)
+    order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
+    outputs: list[DecodeOutput | None] = [None] * len(prompts)
+    for start in range(0, len(order), config.batch_size):
+        chunk = order[start : start + config.batch_size]
+        for i, out in zip(chunk, _decode_batch(model, [prompts[i] for i in chunk], config, gen), strict=True):
+            outputs[i] = out
+    logger.debug("decoded %d prompts with block size %d", len(prompts), config.block_size)
+    return outputs  # type: ignore[return-value]

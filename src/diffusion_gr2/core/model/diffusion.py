@@ -1,0 +1,163 @@
+"""Block-diffusion forward passes with the token shift, and AR -> block-diffusion conversion.
+
+Token shift (Fast-dLLM v2, DESIGN §5): the hidden state at position i-1 predicts token i, so the LM
+head keeps its AR meaning and block size 1 is exactly the AR model.
+
+Convention shared with the decoder (pinned by tests): position 0 of every response block is always
+clean. Its prediction comes from the previous position of the *clean* sequence (the prompt's last
+token for block 0) -- at inference that is the committed previous block's last logit. Positions
+1..k-1 are predicted from the previous position of the noisy copy, which lies in the same block.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+from torch import Tensor
+from transformers import AutoModelForCausalLM, Cache, PreTrainedModel, PreTrainedTokenizerBase
+
+from diffusion_gr2.core.model.factory import save_model
+from diffusion_gr2.core.model.masks import (
+    Layout,
+    attention_mask,
+    cached_step_mask,
+    flex_mask,
+    prompt_response_layout,
+    two_copy_layout,
+)
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "cached_block_hidden",
+    "convert_to_block_diffusion",
+    "layout_hidden",
+    "lm_logits",
+    "response_logits",
+]
+
+
+def layout_hidden(
+    model: PreTrainedModel, input_ids: Tensor, layout: Layout, cache: Cache | None = None
+) -> Tensor:
+    """Final hidden states `[b, l, h]` of a full forward of `input_ids` `[b, l]` under `layout`.
+
+    With `cache`, the keys/values are written to it (a prefill).
+    """
+    mask = attention_mask(layout, model.config._attn_implementation, model.dtype)
+    out = model.base_model(
+        input_ids=input_ids,
+        attention_mask=mask,
+        position_ids=layout.position,
+        cache=cache,
+        use_cache=cache is not None,
+    )
+    return out.last_hidden_state
+
+
+def cached_block_hidden(model: PreTrainedModel, block: Tensor, layout: Layout, cache: Cache) -> Tensor:
+    """Hidden states `[b, k, h]` of `block` `[b, k]` run after the clean prefix held in `cache`.
+
+    `layout` covers cache + block (n + k columns). The block's keys/values are appended to `cache`
+    (crop them off again for a noisy canvas).
+    """
+    k, impl = block.shape[1], model.config._attn_implementation
+    if impl == "flex_attention":
+        mask = flex_mask(layout, k)
+    else:  # a slice of the validity row, not a rebuilt mask: cheap on every decode step
+        mask = cached_step_mask(layout.valid, impl, model.dtype)
+    out = model.base_model(
+        input_ids=block,
+        attention_mask=mask,
+        position_ids=layout.position[:, -k:],
+        cache=cache,
+        use_cache=True,
+    )
+    return out.last_hidden_state
+
+
+def lm_logits(model: PreTrainedModel, hidden: Tensor) -> Tensor:
+    """LM-head logits `[..., v]` of hidden states `[..., h]` (computed only where needed)."""
+    return model.get_output_embeddings()(hidden)
+
+
+def _last_prompt_column(prompt_valid: Tensor) -> Tensor:
+    """[b] column of each row's last prompt token (works for left and right padding)."""
+    cols = torch.arange(prompt_valid.shape[1], device=prompt_valid.device)
+    last = torch.where(prompt_valid, cols, -1).max(1).values
+    if bool((last < 0).any()):
+        raise ValueError("every row needs at least one prompt token (it predicts the first response token)")
+    return last
+
+
+def _shift_sources(prompt_valid: Tensor, r: int, block_size: int) -> Tensor:
+    """[b, r] column whose hidden state predicts response token j (layouts of `response_logits`)."""
+    b, p = prompt_valid.shape
+    j = torch.arange(r, device=prompt_valid.device).expand(b, r)
+    src = p + j - 1  # plain shift inside the response (k = 1), or inside the noisy copy (k > 1)
+    if block_size > 1:  # a block's first token: the clean copy's previous position
+        src = torch.where(j % block_size == 0, p + r + j - 1, src)
+    return torch.where(j == 0, _last_prompt_column(prompt_valid)[:, None], src)
+
+
+def response_logits(
+    model: PreTrainedModel,
+    prompt_ids: Tensor,
+    response_ids: Tensor,
+    block_size: int,
+    noisy_response_ids: Tensor | None = None,
+    prompt_mask: Tensor | None = None,
+    response_mask: Tensor | None = None,
+) -> Tensor:
+    """Logits `[b, r, v]` with `logits[:, j]` predicting `response_ids[:, j]` (token shift).
+
+    prompt_ids: [b, p] (padding on either side, given by `prompt_mask` [b, p], 1 = token);
+    response_ids, noisy_response_ids: [b, r], right-padded (`response_mask` [b, r]); logits at padded
+    positions are meaningless. Block size 1: one causal forward of `[prompt | response]`. Block size
+    k > 1: the 2L forward `[prompt | noisy | clean]`; position 0 of each noisy block is overwritten with
+    the clean token (the decoder never masks it), so callers may mask it freely.
+    """
+    b, p = prompt_ids.shape
+    r = response_ids.shape[1]
+    pv = torch.ones_like(prompt_ids, dtype=torch.bool) if prompt_mask is None else prompt_mask.bool()
+    rv = torch.ones_like(response_ids, dtype=torch.bool) if response_mask is None else response_mask.bool()
+    if block_size == 1:
+        ids, layout = torch.cat([prompt_ids, response_ids], 1), prompt_response_layout(pv, rv, 1)
+    else:
+        if noisy_response_ids is None:
+            raise ValueError("block_size > 1 needs noisy_response_ids (the canvas the model denoises)")
+        noisy = noisy_response_ids.clone()
+        noisy[:, ::block_size] = response_ids[:, ::block_size]
+        ids, layout = torch.cat([prompt_ids, noisy, response_ids], 1), two_copy_layout(pv, rv, block_size)
+    hidden = layout_hidden(model, ids, layout)  # [b, l, h]
+    src = _shift_sources(pv, r, block_size)  # [b, r]
+    picked = hidden.gather(1, src[..., None].expand(b, r, hidden.shape[-1]))  # [b, r, h]
+    return lm_logits(model, picked)
+
+
+def convert_to_block_diffusion(
+    ar_model_dir: str | Path, out_dir: str | Path, block_size: int, tokenizer: PreTrainedTokenizerBase
+) -> Path:
+    """Copy an AR model unchanged into a block-diffusion model dir (DESIGN §5); nothing is trained.
+
+    The block size and mask token id go into the saved config (`config.block_size`,
+    `config.mask_token_id`); the mask token must already be in the vocabulary.
+    """
+    model, info = AutoModelForCausalLM.from_pretrained(
+        ar_model_dir, local_files_only=True, output_loading_info=True
+    )
+    bad = {k: v for k, v in info.items() if k in ("missing_keys", "unexpected_keys", "mismatched_keys") and v}
+    if bad:
+        raise ValueError(f"conversion must copy weights exactly; loading {ar_model_dir} reported {bad}")
+    mask_id = tokenizer.mask_token_id
+    vocab = model.get_input_embeddings().num_embeddings
+    if mask_id is None or not 0 <= mask_id < vocab:
+        raise ValueError(f"mask token id {mask_id} is not in the model's vocabulary of {vocab}")
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    model.config.block_size = block_size
+    model.config.mask_token_id = mask_id
+    logger.info("converted %s to block diffusion (B=%d, mask id %d)", ar_model_dir, block_size, mask_id)
+    return save_model(model, tokenizer, out_dir)

@@ -1,0 +1,117 @@
+"""Model factory: a small Qwen3 from a config, a local HF checkpoint, or a GGUF file (DESIGN §5)."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+from diffusion_gr2.core.io import atomic_directory
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["ModelSpec", "build_model", "load_model", "save_model"]
+
+_KINDS = ("config", "pretrained", "gguf")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What model to build. Sizes apply to `kind="config"` only; `path` to the other kinds."""
+
+    kind: str = "config"  # "config" (random Qwen3), "pretrained" (HF dir) or "gguf" (file)
+    path: str | None = None  # HF checkpoint dir, or the .gguf file
+    hidden_size: int = 128  # sized to train on two CPU cores in minutes
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int = 2  # grouped-query attention, as in Qwen3
+    head_dim: int = 32
+    intermediate_size: int = 384  # 3x hidden, SwiGLU
+    max_position_embeddings: int = 1024  # prompts of a few hundred tokens + a ~130-token response
+    rope_theta: float = 10000.0
+    tie_embeddings: bool = True  # saves vocab x hidden parameters on a small model
+    init_std: float = 0.02  # HF default; larger values give a random model peaked predictions
+    attn_implementation: str = "sdpa"  # "sdpa" | "eager" | "flex_attention"
+    dtype: str = "float32"  # "bfloat16" on GPU
+    seed: int = 0  # weight init of the config kind
+
+
+def _qwen3_config(spec: ModelSpec, tokenizer: PreTrainedTokenizerBase) -> Qwen3Config:
+    """Qwen3 config of the spec's sizes with the tokenizer's vocabulary and special ids."""
+    return Qwen3Config(
+        vocab_size=len(tokenizer),
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_kv_heads,
+        head_dim=spec.head_dim,
+        max_position_embeddings=spec.max_position_embeddings,
+        rope_parameters={"rope_type": "default", "rope_theta": spec.rope_theta},
+        tie_word_embeddings=spec.tie_embeddings,
+        initializer_range=spec.init_std,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        attn_implementation=spec.attn_implementation,
+    )
+
+
+def _from_config(spec: ModelSpec, tokenizer: PreTrainedTokenizerBase) -> PreTrainedModel:
+    """A randomly initialised Qwen3, seeded without touching the caller's global RNG."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(spec.seed)
+        model = Qwen3ForCausalLM(_qwen3_config(spec, tokenizer))
+    return model.to(getattr(torch, spec.dtype))
+
+
+def _from_files(spec: ModelSpec) -> PreTrainedModel:
+    """A pretrained model from a local HF directory or GGUF file; never downloads."""
+    if spec.path is None:
+        raise ValueError(f"ModelSpec(kind={spec.kind!r}) needs a path")
+    path, dtype = Path(spec.path), getattr(torch, spec.dtype)
+    kwargs = {"local_files_only": True, "attn_implementation": spec.attn_implementation}
+    if spec.kind == "gguf":  # transformers de-quantises the GGUF weights into a torch model
+        return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype, **kwargs)
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)
+
+
+def build_model(spec: ModelSpec, tokenizer: PreTrainedTokenizerBase) -> PreTrainedModel:
+    """Build the model `spec` names, with an embedding row for every token of `tokenizer`.
+
+    A pretrained vocabulary is resized when the tokenizer gained SID / `[MASK]` tokens.
+    """
+    if spec.kind not in _KINDS:
+        raise ValueError(f"unknown model kind {spec.kind!r}; expected one of {_KINDS}")
+    model = _from_config(spec, tokenizer) if spec.kind == "config" else _from_files(spec)
+    if len(tokenizer) > model.get_input_embeddings().num_embeddings:
+        model.resize_token_embeddings(len(tokenizer))
+    if model.config.pad_token_id is None:
+        model.config.pad_token_id = tokenizer.pad_token_id
+    n_params = sum(p.numel() for p in model.parameters())
+    logger.info("built %s model: %.2fM parameters, vocab %d", spec.kind, n_params / 1e6, len(tokenizer))
+    return model.eval()
+
+
+def save_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None, path: str | Path) -> Path:
+    """Save model (safetensors) and tokenizer to `path` atomically: complete or absent, never partial."""
+    with atomic_directory(path) as tmp:
+        model.save_pretrained(tmp, safe_serialization=True)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+    return Path(path)
+
+
+def load_model(path: str | Path, attn_implementation: str | None = None) -> PreTrainedModel:
+    """Load a model saved by `save_model` (local files only), in eval mode."""
+    kwargs = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
+    return AutoModelForCausalLM.from_pretrained(path, local_files_only=True, **kwargs).eval()

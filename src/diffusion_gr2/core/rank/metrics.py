@@ -1,0 +1,210 @@
+"""The one metrics module: ranking metrics with a single relevant item, bootstrap intervals (DESIGN §7).
+
+Per user the only input is the 1-based rank of the target (0 = absent): Recall@K = 1[rank <= K],
+NDCG@K = 1/log2(rank + 1) if rank <= K (the ideal DCG is 1 with one relevant item), reciprocal rank
+1/rank. Intervals are percentile bootstraps over users, seeded and vectorised; the same resamples are
+used for every metric of a system. Full-catalog helpers serve the first-stage retriever.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterable, Mapping, Sequence
+from typing import Any, NamedTuple
+
+import numpy as np
+import pandas as pd
+import torch
+
+__all__ = [
+    "METRICS",
+    "PairedBootstrap",
+    "bootstrap_ci",
+    "ndcg_at_k",
+    "paired_bootstrap",
+    "recall_at_k",
+    "recall_ndcg_at_k",
+    "reciprocal_rank",
+    "stage_metrics_rows",
+    "system_metrics",
+    "target_rank",
+    "target_ranks",
+    "user_values",
+]
+
+METRICS = ("recall@1", "recall@3", "recall@5", "ndcg@3", "ndcg@5", "mrr", "valid_rate", "fallback_rate")
+_CHUNK_ELEMENTS = 4_000_000  # bootstrap/catalog work is chunked to bound memory (~32 MB of float64)
+
+
+def recall_at_k(ranks: Sequence[int] | np.ndarray, k: int) -> np.ndarray:
+    """Per-user Recall@K: ranks [u] (1-based, 0 = absent) -> [u] of 0.0/1.0."""
+    r = np.asarray(ranks)
+    return ((r >= 1) & (r <= k)).astype(np.float64)
+
+
+def ndcg_at_k(ranks: Sequence[int] | np.ndarray, k: int) -> np.ndarray:
+    """Per-user NDCG@K with one relevant item: 1/log2(rank + 1) if 1 <= rank <= K, else 0."""
+    r = np.asarray(ranks, dtype=np.float64)
+    hit = (r >= 1) & (r <= k)
+    return np.where(hit, 1.0 / np.log2(np.where(hit, r, 1.0) + 1.0), 0.0)
+
+
+def reciprocal_rank(ranks: Sequence[int] | np.ndarray) -> np.ndarray:
+    """Per-user reciprocal rank 1/rank (0 when absent); its mean is the MRR."""
+    r = np.asarray(ranks, dtype=np.float64)
+    return np.where(r >= 1, 1.0 / np.maximum(r, 1.0), 0.0)
+
+
+def target_rank(ranking: Iterable[Hashable] | None, target: Hashable) -> int:
+    """1-based position of ``target`` in ``ranking``; 0 when absent or when there is no ranking."""
+    if ranking is None:
+        return 0
+    for position, item in enumerate(ranking, start=1):
+        if item == target:
+            return position
+    return 0
+
+
+def _rows(frame: pd.DataFrame | Iterable[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """Rows as mappings, whether given as a frame or as an iterable of dicts."""
+    if isinstance(frame, pd.DataFrame):
+        return frame.to_dict("records")
+    return list(frame)
+
+
+def _final_ranking(row: Mapping[str, Any]) -> Any:
+    """The ranking that was served: the row's ranking, or its pre-rank when the output gave none."""
+    ranking = row.get("ranking")
+    if ranking is None or (not isinstance(ranking, str) and len(ranking) == 0):
+        return row.get("prerank")
+    return ranking
+
+
+def user_values(frame: pd.DataFrame | Iterable[Mapping[str, Any]]) -> dict[str, np.ndarray]:
+    """Per-user value of every metric in :data:`METRICS` (each [u]).
+
+    Rows need ``target``, ``ranking`` (after fallback) and ``valid``; an invalid output is served the
+    pre-rank order, so ``fallback_rate`` is the share of invalid rows, and a row without a ranking is
+    ranked by its ``prerank`` when present.
+    """
+    rows = _rows(frame)
+    ranks = np.array([target_rank(_final_ranking(r), r["target"]) for r in rows], dtype=np.int64)
+    valid = np.array([bool(r["valid"]) for r in rows], dtype=np.float64)
+    return {
+        "recall@1": recall_at_k(ranks, 1),
+        "recall@3": recall_at_k(ranks, 3),
+        "recall@5": recall_at_k(ranks, 5),
+        "ndcg@3": ndcg_at_k(ranks, 3),
+        "ndcg@5": ndcg_at_k(ranks, 5),
+        "mrr": reciprocal_rank(ranks),
+        "valid_rate": valid,
+        "fallback_rate": 1.0 - valid,
+    }
+
+
+def _bootstrap_means(values: np.ndarray, n_boot: int, seed: int) -> np.ndarray:
+    """Means of ``n_boot`` user resamples: values [m, u] -> [m, n_boot] (same resamples for every row)."""
+    m, u = values.shape
+    rng = np.random.default_rng(seed)
+    out = np.empty((m, n_boot))
+    chunk = max(1, _CHUNK_ELEMENTS // max(m * u, 1))
+    for start in range(0, n_boot, chunk):
+        c = min(chunk, n_boot - start)
+        idx = rng.integers(0, u, size=(c, u))  # [c, u] users drawn with replacement
+        out[:, start : start + c] = values[:, idx].mean(axis=2)  # [m, c, u] -> [m, c]
+    return out
+
+
+def bootstrap_ci(
+    values: Mapping[str, np.ndarray], n_boot: int = 1000, seed: int = 0, level: float = 0.95
+) -> dict[str, list[float]]:
+    """Percentile bootstrap interval over users for the mean of each per-user array ([u] each)."""
+    names = list(values)
+    stacked = np.stack([np.asarray(values[k], dtype=np.float64) for k in names])  # [m, u]
+    if stacked.shape[1] == 0:
+        return {k: [float("nan"), float("nan")] for k in names}
+    means = _bootstrap_means(stacked, n_boot, seed)  # [m, n_boot]
+    tail = (1.0 - level) / 2.0 * 100.0
+    low, high = np.percentile(means, [tail, 100.0 - tail], axis=1)  # [m] each
+    return {k: [float(lo), float(hi)] for k, lo, hi in zip(names, low, high, strict=True)}
+
+
+def system_metrics(
+    frame: pd.DataFrame | Iterable[Mapping[str, Any]], n_boot: int = 1000, seed: int = 0, level: float = 0.95
+) -> dict[str, Any]:
+    """Metrics of one system: ``n``, every name in :data:`METRICS`, and ``ci`` (metric -> [low, high])."""
+    values = user_values(frame)
+    n = len(values["mrr"])
+    means = {k: float(v.mean()) if n else float("nan") for k, v in values.items()}
+    return {"n": n, **means, "ci": bootstrap_ci(values, n_boot, seed, level)}
+
+
+def stage_metrics_rows(rankings: pd.DataFrame, n_boot: int = 1000, seed: int = 0) -> list[dict[str, Any]]:
+    """One ``stage_metrics.json`` row per (system, tau) of a rankings frame (DESIGN §10), in frame order."""
+    rows = []
+    for (system, tau), group in rankings.groupby(["system", "tau"], sort=False):
+        rows.append({"system": system, "tau": float(tau), **system_metrics(group, n_boot, seed)})
+    return rows
+
+
+class PairedBootstrap(NamedTuple):
+    """Mean of (a - b) over users, its bootstrap interval, and a two-sided bootstrap sign share."""
+
+    mean_diff: float
+    low: float
+    high: float
+    p_value: float  # 2 * min(share of resamples with diff <= 0, share with diff >= 0), capped at 1
+
+
+def paired_bootstrap(
+    a_values: Sequence[float] | np.ndarray,
+    b_values: Sequence[float] | np.ndarray,
+    n_boot: int = 1000,
+    seed: int = 0,
+    level: float = 0.95,
+) -> PairedBootstrap:
+    """Paired bootstrap of a per-user metric for systems a and b scored on the same users ([u] each).
+
+    Resampling users (not each system separately) keeps the pairing, so the shared per-user
+    difficulty cancels and small differences between close systems can be resolved.
+    """
+    a, b = np.asarray(a_values, dtype=np.float64), np.asarray(b_values, dtype=np.float64)
+    if a.shape != b.shape or a.ndim != 1 or a.size == 0:
+        raise ValueError(f"need two non-empty per-user arrays of equal length, got {a.shape} and {b.shape}")
+    diff = a - b
+    boot = _bootstrap_means(diff[None, :], n_boot, seed)[0]  # [n_boot]
+    tail = (1.0 - level) / 2.0 * 100.0
+    low, high = np.percentile(boot, [tail, 100.0 - tail])
+    p = min(1.0, 2.0 * min(float(np.mean(boot <= 0)), float(np.mean(boot >= 0))))
+    return PairedBootstrap(float(diff.mean()), float(low), float(high), p)
+
+
+def target_ranks(scores: torch.Tensor | np.ndarray, targets: Sequence[int] | np.ndarray) -> np.ndarray:
+    """Full-catalog 1-based rank of each target: scores [u, i], targets [u] -> ranks [u].
+
+    rank = 1 + items scored higher + tied items with a smaller index, i.e. ties are broken by item
+    index as a stable descending sort would, so a popularity baseline full of ties is not flattered.
+    Mask items the user may not be recommended (history) with -inf before calling.
+    """
+    s = torch.as_tensor(scores)
+    t = torch.as_tensor(np.asarray(targets), dtype=torch.long, device=s.device)
+    u, i = s.shape
+    item = torch.arange(i, device=s.device).unsqueeze(0)  # [1, i]
+    ranks = torch.empty(u, dtype=torch.long, device=s.device)
+    step = max(1, _CHUNK_ELEMENTS // max(i, 1))
+    for start in range(0, u, step):
+        block, tgt = s[start : start + step], t[start : start + step]  # [c, i], [c]
+        own = block.gather(1, tgt.unsqueeze(1))  # [c, 1]
+        ahead = (block > own) | ((block == own) & (item < tgt.unsqueeze(1)))  # [c, i]
+        ranks[start : start + step] = ahead.sum(dim=1) + 1
+    return ranks.cpu().numpy()
+
+
+def recall_ndcg_at_k(
+    scores: torch.Tensor | np.ndarray, targets: Sequence[int] | np.ndarray, k: int
+) -> dict[str, float]:
+    """Full-catalog ``recall@k`` and ``ndcg@k`` (keys named with k) averaged over users."""
+    ranks = target_ranks(scores, targets)
+    return {
+        f"recall@{k}": float(recall_at_k(ranks, k).mean()),
+        f"ndcg@{k}": float(ndcg_at_k(ranks, k).mean()),
+    }

@@ -1,0 +1,308 @@
+"""The one training loop: SFT, CFT, OPD and RL each contribute a loss function, not a loop (STYLE 3).
+
+Runs on ``accelerate`` (CPU, one GPU, or several processes via ``torchrun``/``accelerate launch``),
+with AdamW and a linear warmup, a tqdm bar, periodic atomic checkpoints and exact resume
+(DESIGN §6). Exactness rests on two rules: ``make_batch(index, model)`` is a pure function of the
+index (and of state restored from the checkpoint: weights and RNG), and every piece of state the next
+step reads — weights, optimizer, scheduler, RNG — is saved at the checkpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Protocol
+
+import numpy as np
+import torch
+from accelerate import Accelerator
+from accelerate.state import AcceleratorState
+from accelerate.utils import gather_object
+from tqdm.auto import tqdm
+
+from diffusion_gr2.core.train.checkpoint import (
+    LoopState,
+    checkpoint_dirs,
+    get_rng_state,
+    latest_checkpoint,
+    load_checkpoint,
+    prune_checkpoints,
+    save_checkpoint,
+    set_rng_state,
+)
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["LossFn", "MakeBatch", "Tracker", "TrainConfig", "TrainResult", "seed_everything", "train"]
+
+MakeBatch = Callable[[int, torch.nn.Module], Any]
+LossFn = Callable[[torch.nn.Module, Any], tuple[torch.Tensor, dict[str, float]]]
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Optimisation and bookkeeping of one training run."""
+
+    output_dir: str = "data/06_models/train"  # checkpoints go to <output_dir>/checkpoints/
+    lr: float = 1e-4  # peak AdamW learning rate
+    weight_decay: float = 0.0  # decoupled decay; never applied to biases and norm weights
+    max_steps: int = 100  # optimizer steps
+    warmup_steps: int = 0  # linear warmup from lr/warmup to lr
+    lr_schedule: Literal["linear", "constant"] = "linear"  # after warmup: decay to ~0, or hold (OPD/RL)
+    grad_accum: int = 1  # micro-batches per optimizer step
+    max_grad_norm: float = 1.0  # clip threshold; <= 0 disables clipping
+    seed: int = 0  # process p is seeded with seed + p
+    checkpoint_every: int = 50  # steps between checkpoints; <= 0 disables checkpoints
+    keep_checkpoints: int = 2  # newest checkpoints kept on disk
+    log_every: int = 10  # steps between tracker/log lines (the last step is always logged)
+    resume: bool = True  # continue from the latest complete checkpoint in output_dir
+    cpu: bool = False  # force CPU even where a GPU is present
+    mixed_precision: Literal["no", "fp16", "bf16"] = "no"  # accelerate's autocast mode
+    progress: bool = True  # show the tqdm bar (main process only)
+
+
+class Tracker(Protocol):
+    """Anything that records metrics (an MLflow adapter lives in ``core/tracking``)."""
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None: ...
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    """Outcome of :func:`train`; ``history`` covers every step, including those before a resume."""
+
+    steps: int
+    final_metrics: dict[str, float]
+    history: list[dict[str, float]] = field(default_factory=list)
+    resumed_from: int | None = None  # step of the checkpoint the run continued from
+
+
+def seed_everything(seed: int) -> None:
+    """Seed python, numpy and torch (all devices)."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def _lr_factor(step: int, config: TrainConfig) -> float:
+    """Multiplier of the peak lr for 0-based optimizer step ``step`` (never 0 inside the run)."""
+    if step < config.warmup_steps:
+        return (step + 1) / config.warmup_steps
+    if config.lr_schedule == "constant":
+        return 1.0
+    return max(config.max_steps - step, 0) / max(config.max_steps - config.warmup_steps, 1)
+
+
+def _build_optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.AdamW:
+    """AdamW; 1-D parameters (biases, norm gains) are not decayed, as is standard for transformers."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for p in params if p.ndim >= 2], "weight_decay": config.weight_decay},
+        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW([g for g in groups if g["params"]], lr=config.lr)
+
+
+def _check_world(accelerator: Accelerator) -> None:
+    """Refuse the torchrun trap: several unsynchronised processes that all think they are main."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if accelerator.num_processes != world:
+        raise RuntimeError(
+            f"accelerate sees {accelerator.num_processes} process(es) but WORLD_SIZE={world}; "
+            "on CPU set TrainConfig.cpu=True or ACCELERATE_USE_CPU=1"
+        )
+
+
+def _average_gradients(params: list[torch.nn.Parameter], num_processes: int) -> None:
+    """Mean of the gradients over processes.
+
+    Done by hand because ``loss_fn`` receives the *unwrapped* model (so helpers can read
+    ``model.config`` etc.), and a forward that bypasses the DDP wrapper is never synchronised by DDP.
+    """
+    if num_processes == 1:
+        return
+    for p in params:
+        if p.grad is None:  # a process whose loss had no graph still takes part in the all-reduce
+            p.grad = torch.zeros_like(p)
+        torch.distributed.all_reduce(p.grad, op=torch.distributed.ReduceOp.SUM)
+        p.grad.div_(num_processes)
+
+
+def _mean_metrics(dicts: list[dict[str, float]]) -> dict[str, float]:
+    """Key-wise mean of metric dicts (a key missing from some dicts is averaged over those that have it)."""
+    keys = sorted({k for d in dicts for k in d})
+    return {k: float(np.mean([d[k] for d in dicts if k in d])) for k in keys}
+
+
+@dataclass
+class _Run:
+    """Everything one optimizer step touches."""
+
+    accelerator: Accelerator
+    model: torch.nn.Module  # unwrapped: what make_batch and loss_fn see
+    optimizer: Any
+    scheduler: Any
+    config: TrainConfig
+
+    @property
+    def params(self) -> list[torch.nn.Parameter]:
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+    def batch_index(self, step: int, micro: int) -> int:
+        """Global micro-batch index (0-based), distinct over steps, micro-batches and processes."""
+        acc = self.accelerator
+        return ((step * self.config.grad_accum) + micro) * acc.num_processes + acc.process_index
+
+
+def _train_step(run: _Run, step: int, make_batch: MakeBatch, loss_fn: LossFn) -> dict[str, float]:
+    """One optimizer step (0-based ``step``) over ``grad_accum`` micro-batches; returns its metrics."""
+    config, acc = run.config, run.accelerator
+    micro_metrics: list[dict[str, float]] = []
+    for micro in range(config.grad_accum):
+        batch = make_batch(run.batch_index(step, micro), run.model)
+        loss, metrics = loss_fn(run.model, batch)
+        if not torch.isfinite(loss.detach()).all():
+            raise FloatingPointError(f"non-finite loss {loss.item()} at step {step + 1}")
+        if loss.requires_grad:  # e.g. an RL batch whose groups were all dropped has no graph
+            acc.backward(loss / config.grad_accum)
+        micro_metrics.append({**{k: float(v) for k, v in metrics.items()}, "loss": float(loss.detach())})
+    _average_gradients(run.params, acc.num_processes)
+    grad_norm = math.nan
+    if config.max_grad_norm > 0:
+        grad_norm = float(acc.clip_grad_norm_(run.params, config.max_grad_norm))
+    lr = run.scheduler.get_last_lr()[0]
+    run.optimizer.step()
+    run.scheduler.step()
+    run.optimizer.zero_grad(set_to_none=True)
+    local = _mean_metrics(micro_metrics)
+    merged = _mean_metrics(gather_object([local])) if acc.num_processes > 1 else local
+    return {**merged, "lr": lr, "grad_norm": grad_norm, "step": float(step + 1)}
+
+
+def _checkpoint_due(step: int, config: TrainConfig) -> bool:
+    """Every ``checkpoint_every`` steps and at the end (so a finished run resumes as a no-op)."""
+    if config.checkpoint_every <= 0:
+        return False
+    return step % config.checkpoint_every == 0 or step == config.max_steps
+
+
+def _checkpoint(run: _Run, root: Path, state: LoopState) -> None:
+    """Gather every process's RNG state, let the main process write, then prune old checkpoints."""
+    acc = run.accelerator
+    rng_states = gather_object([get_rng_state()])
+    if acc.is_main_process:
+        path = save_checkpoint(
+            root / f"step-{state.step:06d}",
+            run.model,
+            run.optimizer,
+            run.scheduler,
+            state,
+            rng_states,
+            acc.scaler,
+        )
+        prune_checkpoints(root, run.config.keep_checkpoints)
+        logger.info("checkpoint %s", path)
+    acc.wait_for_everyone()
+
+
+def _restore(run: _Run, root: Path) -> tuple[LoopState, int | None]:
+    """Resume from the newest complete checkpoint, or start fresh (discarding stale checkpoints)."""
+    acc, config = run.accelerator, run.config
+    latest = latest_checkpoint(root) if config.resume else None
+    if latest is None:
+        if not config.resume and checkpoint_dirs(root) and acc.is_main_process:
+            # Stale checkpoints of an earlier run would outrank the new ones at the next resume.
+            logger.warning("resume=False: discarding existing checkpoints in %s", root)
+            prune_checkpoints(root, keep=0)
+        acc.wait_for_everyone()
+        return LoopState(), None
+    state, rng_states = load_checkpoint(latest, run.model, run.optimizer, run.scheduler, acc.scaler)
+    if len(rng_states) == acc.num_processes:
+        set_rng_state(rng_states[acc.process_index])
+    else:  # a different process count cannot replay the same streams; stay deterministic at least
+        logger.warning("checkpoint has %d RNG states for %d processes", len(rng_states), acc.num_processes)
+        seed_everything(config.seed + acc.process_index + state.step)
+    logger.info("resumed from %s (step %d)", latest, state.step)
+    return state, state.step
+
+
+def _log(run: _Run, metrics: dict[str, float], tracker: Tracker | None) -> None:
+    """Send one step's metrics to the log and the tracker (main process only)."""
+    step = int(metrics["step"])
+    last = step == run.config.max_steps
+    if not run.accelerator.is_main_process or not (last or step % max(run.config.log_every, 1) == 0):
+        return
+    logger.info("step %d: %s", step, ", ".join(f"{k}={v:.4g}" for k, v in metrics.items() if k != "step"))
+    if tracker is not None:
+        tracker.log_metrics({k: v for k, v in metrics.items() if k != "step"}, step=step)
+
+
+def _make_accelerator(config: TrainConfig) -> Accelerator:
+    """An Accelerator for this run; in a single process, earlier runs' settings do not stick."""
+    # step_scheduler_with_optimizer=False: otherwise accelerate steps the schedule num_processes
+    # times per optimizer step (it assumes a dataloader that shrinks with the process count).
+    kwargs = {"cpu": config.cpu, "mixed_precision": config.mixed_precision}
+    try:
+        return Accelerator(**kwargs, step_scheduler_with_optimizer=False)
+    except ValueError:
+        # accelerate's state is a process-wide singleton that refuses new settings (e.g. a bf16 stage
+        # after an fp32 one in one `kedro run`). Without a process group it can safely be rebuilt.
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            raise
+        AcceleratorState._reset_state(reset_partial_state=True)
+        return Accelerator(**kwargs, step_scheduler_with_optimizer=False)
+
+
+def _prepare(model: torch.nn.Module, config: TrainConfig) -> _Run:
+    """Accelerator, AdamW, LR schedule, all prepared; the scheduler steps exactly once per step."""
+    acc = _make_accelerator(config)
+    _check_world(acc)
+    seed_everything(config.seed + acc.process_index)
+    optimizer = _build_optimizer(model, config)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: _lr_factor(s, config))
+    wrapped, optimizer, scheduler = acc.prepare(model, optimizer, scheduler)
+    return _Run(acc, acc.unwrap_model(wrapped), optimizer, scheduler, config)
+
+
+def train(
+    model: torch.nn.Module,
+    make_batch: MakeBatch,
+    loss_fn: LossFn,
+    config: TrainConfig,
+    tracker: Tracker | None = None,
+) -> TrainResult:
+    """Train ``model`` in place for ``config.max_steps`` optimizer steps.
+
+    ``make_batch(index, model)`` builds micro-batch ``index`` (0-based, unique over steps,
+    micro-batches and processes; equal to the 0-based step for one process without accumulation). It
+    must be a pure function of the index and the seed — it may use the model (OPD/RL rollouts) and the
+    global RNG, both restored exactly on resume. ``loss_fn(model, batch) -> (loss, metrics)`` gets the
+    unwrapped model. A run killed mid-way and restarted with ``resume=True`` ends with exactly the
+    weights of an uninterrupted run.
+    """
+    run = _prepare(model, config)
+    root = Path(config.output_dir) / "checkpoints"
+    state, resumed_from = _restore(run, root)
+    run.model.train()
+    bar = tqdm(
+        total=config.max_steps,
+        initial=state.step,
+        desc="train",
+        disable=not (config.progress and run.accelerator.is_local_main_process),
+    )
+    for step in range(state.step, config.max_steps):
+        metrics = _train_step(run, step, make_batch, loss_fn)
+        state.step, state.history = step + 1, [*state.history, metrics]
+        bar.update(1)
+        bar.set_postfix(loss=f"{metrics['loss']:.4f}")
+        _log(run, metrics, tracker)
+        if _checkpoint_due(state.step, config):
+            _checkpoint(run, root, state)
+    bar.close()
+    final = state.history[-1] if state.history else {}
+    return TrainResult(state.step, dict(final), list(state.history), resumed_from)

@@ -1,0 +1,156 @@
+"""Token losses for SFT, CFT and OPD as pure functions returning ``(loss, metrics)`` (DESIGN §6).
+
+Shapes: ``b`` batch, ``r`` response length, ``v`` vocabulary, ``k`` block size. Logits are always
+aligned with the response tokens (``logits[:, j]`` predicts ``response_ids[:, j]``, the token shift
+already applied by ``model/diffusion.py: response_logits``). Losses are computed in float32 whatever
+the model dtype, so bf16 logits do not lose the small probabilities the KL and CE depend on.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["CFTNoise", "cft_noise", "forward_kl", "pad_to_blocks", "weighted_token_ce"]
+
+REASONING, ANSWER, PADDING = 0, 1, -1  # response roles (core/text/tokenizer.py: encode_example)
+
+
+def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> float:
+    """Mean of ``values`` over ``mask`` as a float (nan when the mask is empty)."""
+    n = int(mask.sum())
+    return float((values * mask).sum() / n) if n else float("nan")
+
+
+def weighted_token_ce(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    roles: torch.Tensor,
+    loss_mask: torch.Tensor,
+    lambda_r: float = 1.0,
+    lambda_o: float = 1.0,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Cross-entropy with reasoning tokens weighted ``lambda_r`` and answer tokens ``lambda_o`` (GR2 SFT).
+
+    logits [b, r, v], targets [b, r] token ids, roles [b, r] (0 reasoning, 1 answer), loss_mask [b, r]
+    bool. Loss = sum_j w_j CE_j / sum_j w_j over masked positions, so the weights change the balance
+    between the two parts, not the loss scale. An empty mask gives 0 (still differentiable).
+    """
+    b, r, v = logits.shape
+    mask = loss_mask.bool()
+    safe_targets = torch.where(mask, targets, torch.zeros_like(targets))  # ids off the mask may be anything
+    ce = F.cross_entropy(logits.float().reshape(b * r, v), safe_targets.reshape(b * r), reduction="none")
+    ce = ce.view(b, r)  # [b, r]
+    is_answer = roles == ANSWER
+    weights = torch.where(is_answer, lambda_o, lambda_r).to(ce.dtype) * mask  # [b, r]
+    loss = (ce * weights).sum() / weights.sum().clamp_min(1e-12)
+    with torch.no_grad():
+        correct = (logits.argmax(dim=-1) == targets).float()
+        metrics = {
+            "ce_reasoning": _masked_mean(ce, mask & ~is_answer),
+            "ce_answer": _masked_mean(ce, mask & is_answer),
+            "token_accuracy": _masked_mean(correct, mask),
+            "tokens": float(mask.sum()),
+        }
+    return loss, metrics
+
+
+def pad_to_blocks(
+    response_ids: torch.Tensor, roles: torch.Tensor, block_size: int, mask_token_id: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-pad responses [b, r] to a multiple of ``block_size`` with mask tokens (role -1).
+
+    Fast-dLLM v2 pads with mask tokens so the last block looks like every other block at inference.
+    """
+    b, r = response_ids.shape
+    extra = -r % block_size
+    if extra == 0:
+        return response_ids, roles
+    ids = F.pad(response_ids, (0, extra), value=mask_token_id)  # [b, r + extra]
+    return ids, F.pad(roles, (0, extra), value=PADDING)
+
+
+class CFTNoise(NamedTuple):
+    """Two complementary noisy views of a response batch and the positions each view supervises.
+
+    noisy_a, noisy_b: [b, r] response ids with the noised positions replaced by the mask token.
+    loss_a, loss_b: [b, r] bool, disjoint; their union is every non-padding position. ``loss_a`` is
+    view a's masked positions plus every block's first position (never masked: its prediction comes
+    from the clean copy, identical in both views, so it is counted once, in view a); ``loss_b`` is view
+    b's masked positions.
+    """
+
+    noisy_a: torch.Tensor
+    noisy_b: torch.Tensor
+    loss_a: torch.Tensor
+    loss_b: torch.Tensor
+
+
+def cft_noise(
+    response_ids: torch.Tensor,
+    roles: torch.Tensor,
+    block_size: int,
+    mask_token_id: int,
+    eps: float = 1e-3,
+    generator: torch.Generator | None = None,
+) -> CFTNoise:
+    """Complementary block-wise masking for Conversion Fine-Tuning (DESIGN §6, Fast-dLLM v2).
+
+    response_ids [b, r] with r a multiple of ``block_size`` (see :func:`pad_to_blocks`); roles [b, r].
+    Padding = mask-token ids or role -1: never supervised. Per (row, block) a noise level t ~ U(0, 1);
+    each maskable position is masked in view a with probability (1 - eps) t + eps, and view b masks
+    exactly the maskable positions view a kept, so every token is supervised once across the pair.
+    Position 0 of a block is never masked: with the token shift it is predicted from the previous
+    block's last *clean* position, exactly as the decoder commits it (shared with ``response_logits``).
+    ``block_size == 1`` masks nothing and supervises every token in view a: the AR loss.
+    """
+    b, r = response_ids.shape
+    if r % block_size:
+        raise ValueError(f"response length {r} is not a multiple of block size {block_size}")
+    device = response_ids.device
+    t = torch.rand(b, r // block_size, generator=generator, device=device)  # [b, blocks]
+    p = ((1.0 - eps) * t + eps).repeat_interleave(block_size, dim=1)  # [b, r]
+    u = torch.rand(b, r, generator=generator, device=device)  # [b, r]
+    real = (response_ids != mask_token_id) & (roles != PADDING)
+    block_first = (torch.arange(r, device=device) % block_size == 0).unsqueeze(0)  # [1, r]
+    maskable = real & ~block_first
+    masked_a = maskable & (u < p)
+    masked_b = maskable & ~masked_a
+    mask_id = torch.full_like(response_ids, mask_token_id)
+    return CFTNoise(
+        noisy_a=torch.where(masked_a, mask_id, response_ids),
+        noisy_b=torch.where(masked_b, mask_id, response_ids),
+        loss_a=masked_a | (real & block_first),
+        loss_b=masked_b,
+    )
+
+
+def forward_kl(
+    teacher_logits: torch.Tensor, student_logits: torch.Tensor, mask: torch.Tensor
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Per-token forward KL(teacher || student), averaged over masked tokens (OPD, DESIGN §6).
+
+    teacher_logits, student_logits [b, r, v]; mask [b, r] bool (committed tokens of the rollout).
+    Forward KL is mode-covering: the student is pushed to put mass wherever the teacher does. The
+    teacher is treated as a constant (no gradient flows into it).
+    """
+    if teacher_logits.shape != student_logits.shape:
+        raise ValueError(f"teacher {tuple(teacher_logits.shape)} vs student {tuple(student_logits.shape)}")
+    mask = mask.bool()
+    log_t = F.log_softmax(teacher_logits.detach().float(), dim=-1)  # [b, r, v]
+    log_s = F.log_softmax(student_logits.float(), dim=-1)  # [b, r, v]
+    p_t = log_t.exp()
+    # where(): a teacher probability of exactly 0 (a -inf logit) contributes 0, not 0 * -inf = nan.
+    kl = torch.where(p_t > 0, p_t * (log_t - log_s), torch.zeros_like(p_t)).sum(dim=-1)  # [b, r]
+    loss = (kl * mask).sum() / mask.sum().clamp_min(1)
+    with torch.no_grad():
+        agree = (log_t.argmax(dim=-1) == log_s.argmax(dim=-1)).float()
+        metrics = {
+            "kl": float(loss),
+            "top1_agreement": _masked_mean(agree, mask),
+            "teacher_entropy": _masked_mean(-torch.special.xlogy(p_t, p_t).sum(dim=-1), mask),
+            "tokens": float(mask.sum()),
+        }
+    return loss, metrics

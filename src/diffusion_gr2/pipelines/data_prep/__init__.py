@@ -1,0 +1,5 @@
+"""data_prep pipeline."""
+
+from .pipeline import create_pipeline
+
+__all__ = ["create_pipeline"]

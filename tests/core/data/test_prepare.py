@@ -1,0 +1,156 @@
+"""prepare(): dedup, k-core, chronological order, seeded remap, leave-one-out — and ml-100k's statistics."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from diffusion_gr2.core.data.prepare import PrepConfig, k_core_mask, prepare, remap_items
+from diffusion_gr2.core.data.raw import DataQualityError, RawDataset, Rejects, build_raw_dataset
+from diffusion_gr2.core.data.readers import read_dataset
+
+MakeRaw = Callable[..., RawDataset]
+# few users and items so that most examples survive the k-core filter
+rows_strategy = st.lists(
+    st.tuples(st.integers(0, 5), st.integers(0, 6), st.integers(0, 30)), min_size=10, max_size=80
+)
+FAST = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+
+def test_ml100k_statistics(tmp_path: Path) -> None:
+    prepared = prepare(read_dataset("ml-100k", tmp_path), PrepConfig())
+    stats = prepared.stats
+    assert set(stats) == {
+        "users", "items", "interactions", "mean_history", "median_history", "splits",
+        "rows_read", "rows_rejected", "rejected_by_reason",
+    }  # fmt: skip
+    assert (stats["users"], stats["items"], stats["interactions"]) == (943, 1349, 99287)
+    assert stats["splits"] == {"train": 99287 - 2 * 943, "valid": 943, "test": 943}
+    assert stats["mean_history"] == pytest.approx(99287 / 943, abs=1e-4)
+    assert stats["rows_read"] == 100000 + 1682 and stats["rows_rejected"] == 0
+    assert len(prepared.items) == 1349 and len(prepared.splits) == 943
+    toy_story = prepared.items.set_index("raw_item_id").loc["1"]
+    assert toy_story["title"] == "Toy Story" and "Animation" in toy_story["categories"]
+
+
+def _reference_k_core(pairs: list[tuple[int, int]], k_user: int, k_item: int) -> list[bool]:
+    """Plain-loop iterative k-core to check the vectorised one against."""
+    keep = [True] * len(pairs)
+    changed = True
+    while changed:
+        users = Counter(u for (u, _), kept in zip(pairs, keep, strict=True) if kept)
+        items = Counter(i for (_, i), kept in zip(pairs, keep, strict=True) if kept)
+        new = [
+            kept and users[u] >= k_user and items[i] >= k_item
+            for (u, i), kept in zip(pairs, keep, strict=True)
+        ]
+        changed, keep = new != keep, new
+    return keep
+
+
+@FAST
+@given(rows=rows_strategy, k=st.integers(1, 4))
+def test_k_core_property(rows: list[tuple[int, int, int]], k: int) -> None:
+    pairs = [(u, i) for u, i, _ in rows]
+    users = np.array([u for u, _ in pairs], dtype=np.int64)
+    items = np.array([i for _, i in pairs], dtype=np.int64)
+    keep = k_core_mask(users, items, k, k)
+    user_counts, item_counts = Counter(users[keep].tolist()), Counter(items[keep].tolist())
+    assert all(count >= k for count in user_counts.values())
+    assert all(count >= k for count in item_counts.values())
+    assert keep.tolist() == _reference_k_core(pairs, k, k)  # and it is the largest such subset
+
+
+@FAST
+@given(rows=rows_strategy, k=st.integers(1, 3), dedup=st.booleans())
+def test_split_property(make_raw: MakeRaw, rows: list[tuple[int, int, int]], k: int, dedup: bool) -> None:
+    raw = make_raw(rows)
+    try:
+        prepared = prepare(raw, PrepConfig(k_core=k, dedup=dedup))
+    except ValueError as err:  # nothing survives the filter: the only allowed failure
+        assert "no interactions left" in str(err)
+        return
+    history = prepared.interactions.groupby("user_id")
+    assert len(prepared.splits) == history.ngroups
+    for row in prepared.splits.itertuples(index=False):
+        user = history.get_group(row.user_id)
+        assert row.train_items + [row.valid_item, row.test_item] == user["item_id"].tolist()
+        assert all(t <= row.valid_timestamp for t in row.train_timestamps)
+        assert row.valid_timestamp <= row.test_timestamp
+        if dedup:
+            assert row.test_item not in row.train_items and row.valid_item not in row.train_items
+    kept = prepared.interactions
+    assert (kept.groupby("user_id").size() >= max(k, 3)).all()
+    assert (kept.groupby("item_id").size() >= k).all()
+    assert not dedup or not kept.duplicated(["user_id", "item_id"]).any()
+
+
+def test_dedup_keeps_earliest_and_ties_keep_file_order(make_raw: MakeRaw) -> None:
+    rows = [("u", "a", 9), ("u", "b", 5), ("u", "a", 2), ("u", "c", 5), ("u", "d", 5), ("v", "a", 1)]
+    prepared = prepare(make_raw(rows), PrepConfig(k_core=1))
+    items = prepared.items.set_index("item_id")["raw_item_id"]
+    user = prepared.splits.iloc[0]
+    # "a" kept at t=2 (its earliest); b, c, d share t=5 and stay in file order
+    assert [items[i] for i in user["train_items"]] == ["a", "b"]
+    assert (items[user["valid_item"]], items[user["test_item"]]) == ("c", "d")
+    assert user["train_timestamps"] == [2, 5]
+    assert prepared.stats["users"] == 1  # "v" has too few interactions for a split
+
+
+def test_remap_is_seeded_and_order_independent(make_raw: MakeRaw) -> None:
+    rng = np.random.default_rng(0)
+    rows = [(f"u{u}", f"i{i}", int(t)) for u, i, t in zip(rng.integers(0, 30, 600), rng.integers(0, 40, 600),
+                                                             rng.permutation(600), strict=True)]  # fmt: skip
+    first = prepare(make_raw(rows), PrepConfig(k_core=2, seed=7))
+    shuffled = prepare(make_raw([rows[j] for j in rng.permutation(len(rows))]), PrepConfig(k_core=2, seed=7))
+    other = prepare(make_raw(rows), PrepConfig(k_core=2, seed=8))
+    pd.testing.assert_frame_equal(first.interactions, shuffled.interactions)
+    pd.testing.assert_frame_equal(first.items, shuffled.items)
+    assert not first.items["raw_item_id"].equals(other.items["raw_item_id"])
+    assert sorted(first.items["item_id"]) == list(range(len(first.items)))
+
+
+def test_item_ids_are_not_numbered_in_order_of_appearance() -> None:
+    raw_ids = pd.Series([f"i{j:04d}" for j in range(500)])
+    mapping = remap_items(raw_ids, seed=42)
+    assert sorted(mapping.values()) == list(range(500))
+    ids = np.array([mapping[r] for r in raw_ids])
+    assert np.mean(np.diff(ids) == 1) < 0.05  # consecutive raw items do not get consecutive ids
+    assert remap_items(raw_ids.iloc[::-1], seed=42) == mapping
+
+
+def test_without_metadata_items_have_empty_text(make_raw: MakeRaw) -> None:
+    rows = [(u, i, t) for u in range(4) for t, i in enumerate(range(3))]
+    prepared = prepare(make_raw(rows), PrepConfig(k_core=3))
+    assert prepared.items["title"].tolist() == ["", "", ""]
+    assert prepared.items["categories"].tolist() == [[], [], []]
+
+
+def test_prepare_enforces_reject_share() -> None:
+    rejects = Rejects(rows_by_file={"f": 10})
+    rejects.add("f", 7, "malformed_json", "{")
+    raw = build_raw_dataset([("u", "i", 1, 1.0)] * 9, [], rejects, "test", "mem", has_metadata=False)
+    with pytest.raises(DataQualityError, match="first at line 7: malformed_json"):
+        prepare(raw, PrepConfig(max_reject_share=0.05))
+
+
+def test_empty_after_k_core_is_a_clear_error(make_raw: MakeRaw) -> None:
+    with pytest.raises(ValueError, match="no interactions left after 5-core"):
+        prepare(make_raw([("u", "i", 1)]), PrepConfig())
+
+
+def test_config_from_params_and_rating_filter(make_raw: MakeRaw) -> None:
+    params = {"dataset": "ml-100k", "raw_root": "data/01_raw", "k_core": 1, "seed": 3, "min_rating": 4.5}
+    config = PrepConfig.from_params(params)
+    assert (config.k_core, config.seed, config.min_rating, config.dedup) == (1, 3, 4.5, True)
+    raw = make_raw([("u", "a", 1), ("u", "b", 2), ("u", "c", 3)])  # make_raw rates every row 4.0
+    with pytest.raises(ValueError, match="no interactions left"):
+        prepare(raw, config)
+    assert prepare(raw, PrepConfig.from_params({**params, "min_rating": 4.0})).stats["interactions"] == 3

@@ -1,0 +1,134 @@
+"""Pandera schemas accept good frames (also after a parquet round trip) and name what is wrong in bad ones."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from diffusion_gr2.core.data.schemas import (
+    SchemaValidationError,
+    interactions_schema,
+    items_schema,
+    rejects_schema,
+    splits_schema,
+    validate,
+)
+from diffusion_gr2.core.io import atomic_write_parquet
+
+
+def good_interactions() -> pd.DataFrame:
+    return pd.DataFrame(
+        {
+            "user_id": np.array([0, 0, 0, 1, 1, 1], dtype=np.int64),
+            "item_id": np.array([2, 0, 1, 0, 1, 2], dtype=np.int64),
+            "timestamp": np.array([10, 20, 20, 5, 6, 7], dtype=np.int64),
+            "rating": [5.0, np.nan, 3.0, 1.0, 2.0, 3.0],
+        }
+    )
+
+
+def good_items() -> pd.DataFrame:
+    return pd.DataFrame(
+        {
+            "item_id": np.array([0, 1, 2], dtype=np.int64),
+            "raw_item_id": ["a", "b", "c"],
+            "title": ["A", "", "C"],
+            "categories": [["x", "y"], [], ["z"]],
+            "brand": ["", "acme", ""],
+            "price": [1.5, np.nan, 0.0],
+            "description": ["", "d", ""],
+        }
+    )
+
+
+def good_splits() -> pd.DataFrame:
+    return pd.DataFrame(
+        {
+            "user_id": np.array([0, 1], dtype=np.int64),
+            "train_items": [[2], [0]],
+            "train_timestamps": [[10], [5]],
+            "valid_item": np.array([0, 1], dtype=np.int64),
+            "valid_timestamp": np.array([20, 6], dtype=np.int64),
+            "test_item": np.array([1, 2], dtype=np.int64),
+            "test_timestamp": np.array([20, 7], dtype=np.int64),
+        }
+    )
+
+
+def test_good_frames_pass(tmp_path: Path) -> None:
+    validate(good_interactions(), interactions_schema(num_items=3), "interactions")
+    validate(good_items(), items_schema(num_items=3), "items")
+    validate(good_splits(), splits_schema(num_items=3), "splits")
+    back = pd.read_parquet(atomic_write_parquet(good_splits(), tmp_path / "splits.parquet"))
+    assert isinstance(back["train_items"].iloc[0], np.ndarray)  # lists come back as arrays
+    validate(back, splits_schema(num_items=3), "splits")
+
+
+def _error(df: pd.DataFrame, schema: object, name: str) -> str:
+    with pytest.raises(SchemaValidationError) as err:
+        validate(df, schema, name)  # type: ignore[arg-type]
+    return str(err.value)
+
+
+def test_interactions_bad_frame() -> None:
+    bad = good_interactions()
+    bad.loc[4, "item_id"] = 0  # user 1 sees item 0 twice
+    bad.loc[1, "timestamp"] = 1  # out of chronological order
+    bad.loc[5, "item_id"] = 9  # outside the catalogue
+    message = _error(bad, interactions_schema(num_items=3), "interactions")
+    assert message.startswith("dataset 'interactions' failed 3 schema check(s)")
+    assert "column 'item_id', check 'in_range(0, 2)': rows [5]" in message
+    assert "frame-level check 'multiple_fields_uniqueness': rows [3, 4]" in message
+    assert "frame-level check 'sorted_by_user_then_time': rows [1]" in message
+
+
+def test_items_bad_frame() -> None:
+    bad = good_items()
+    bad.at[1, "categories"] = "x"
+    bad.loc[2, "price"] = -3.0
+    bad.loc[2, "raw_item_id"] = "a"
+    message = _error(bad, items_schema(), "items")
+    assert "column 'categories', check 'list_of_str': rows [1]; values ['x']" in message
+    assert "column 'price', check 'greater_than_or_equal_to(0)': rows [2]" in message
+    assert "column 'raw_item_id', check 'field_uniqueness'" in message
+
+
+def test_splits_leak_and_range() -> None:
+    bad = good_splits()
+    bad.at[1, "train_items"] = [2]  # the test item of user 1 is also in their train part
+    bad.loc[0, "valid_item"] = 7
+    bad.loc[0, "valid_timestamp"] = 3  # validation earlier than training
+    message = _error(bad, splits_schema(num_items=3), "splits")
+    assert "dataset 'splits'" in message
+    assert "frame-level check 'test_item_not_in_train': rows [1]" in message
+    assert "frame-level check 'valid_not_before_train': rows [0]" in message
+    assert "column 'valid_item', check 'in_range(0, 2)': rows [0]; values [7]" in message
+
+
+def test_splits_repeats_allowed_without_dedup() -> None:
+    repeat = good_splits()
+    repeat.at[1, "train_items"] = [2]
+    validate(repeat, splits_schema(num_items=3, allow_repeats=True), "splits")
+    assert "test_item_not_in_train" in _error(repeat, splits_schema(num_items=3), "splits")
+
+
+def test_splits_empty_train_and_length_mismatch() -> None:
+    bad = good_splits()
+    bad.at[0, "train_items"] = []
+    bad.at[1, "train_timestamps"] = [5, 5]
+    message = _error(bad, splits_schema(num_items=3), "splits")
+    assert "column 'train_items', check 'items_list': rows [0]" in message
+    assert "frame-level check 'train_lengths_match'" in message
+
+
+def test_rejects_schema() -> None:
+    good = pd.DataFrame(
+        {"file": ["f"], "line": np.array([3], dtype=np.int64), "reason": ["bad_timestamp"], "raw": ["x"]}
+    )
+    validate(good, rejects_schema(), "rejects")
+    assert "column 'line'" in _error(
+        good.assign(line=np.array([0], dtype=np.int64)), rejects_schema(), "rejects"
+    )

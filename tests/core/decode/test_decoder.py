@@ -1,0 +1,171 @@
+"""The decoder: B = 1 vs `generate`, cached vs recompute, batched vs one-by-one, stopping, sampling."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import transformers.integrations.flex_attention as hf_flex
+from torch.nn.attention.flex_attention import flex_attention
+
+from diffusion_gr2.core.decode.decoder import DecodeConfig, DecodeOutput, _commit_mask, decode
+from tests.core.model.tiny import MASK, random_prompts, same_weights, tiny_model
+
+torch.set_num_threads(1)
+LENGTHS = [7, 12, 3, 9, 5]
+
+
+@pytest.fixture(scope="module")
+def model():  # noqa: ANN201
+    return tiny_model()
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    return random_prompts(LENGTHS)
+
+
+def _generate(model, prompt: list[int], n: int, eos: tuple[int, ...] = ()) -> list[int]:  # noqa: ANN001
+    kwargs = {"eos_token_id": list(eos)} if eos else {}
+    out = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=n, pad_token_id=0, **kwargs)
+    return out[0, len(prompt) :].tolist()
+
+
+def _eos_ending_rows_at_different_times(outputs: list[DecodeOutput], k: int) -> tuple[int, ...]:
+    """Two tokens of a run without eos that, as eos, end rows mid-block and at different times."""
+    return outputs[0].tokens[k + 1], outputs[1].tokens[3 * k + 2]
+
+
+def test_block_size_one_reproduces_generate(model, prompts) -> None:  # noqa: ANN001
+    ours = decode(model, prompts, DecodeConfig(max_new_tokens=16, batch_size=3))
+    for prompt, out in zip(prompts, ours, strict=True):
+        assert out.tokens == _generate(model, prompt, 16)
+        assert out.nfe == 16 and out.commit_steps == [0] * 16  # one forward per token
+    alone = decode(model, prompts[:1], DecodeConfig(max_new_tokens=16))[0]
+    assert alone.tokens == ours[0].tokens
+
+
+def test_block_size_one_with_eos_matches_generate_batched(model, prompts) -> None:  # noqa: ANN001
+    free = decode(model, prompts, DecodeConfig(max_new_tokens=16))
+    eos = _eos_ending_rows_at_different_times(free, 1)
+    ours = decode(model, prompts, DecodeConfig(max_new_tokens=16, eos_token_ids=eos))
+    assert len({len(o.tokens) for o in ours}) > 1  # rows really finish at different times
+    for prompt, out in zip(prompts, ours, strict=True):
+        assert out.tokens == _generate(model, prompt, 16, eos)
+        assert out.nfe == len(out.tokens)
+
+
+def test_block_size_one_recompute_equals_cached(model, prompts) -> None:  # noqa: ANN001
+    cfg = DecodeConfig(max_new_tokens=12)
+    cached = decode(model, prompts, cfg)
+    full = decode(model, prompts, dataclasses.replace(cfg, recompute=True))
+    assert [o.tokens for o in cached] == [o.tokens for o in full]
+
+
+@pytest.mark.parametrize(("k", "tau"), [(4, 0.9), (4, 0.5), (8, 0.3)])
+def test_block_cached_equals_recompute(model, prompts, k: int, tau: float) -> None:  # noqa: ANN001
+    cfg = DecodeConfig(block_size=k, threshold=tau, max_new_tokens=22, mask_token_id=MASK)
+    cached = decode(model, prompts, cfg)
+    full = decode(model, prompts, dataclasses.replace(cfg, recompute=True))
+    for a, b in zip(cached, full, strict=True):
+        assert (a.tokens, a.commit_steps, a.nfe) == (b.tokens, b.commit_steps, b.nfe)
+        torch.testing.assert_close(
+            torch.tensor(a.token_logprobs), torch.tensor(b.token_logprobs), atol=1e-5, rtol=0
+        )
+    steps = [s for o in cached for s in o.commit_steps]
+    assert max(steps) > 1  # several steps in some block ...
+    if tau <= 0.5:
+        assert sum(o.nfe for o in cached) < sum(
+            len(o.tokens) for o in cached
+        )  # ... fewer forwards than tokens
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_batched_equals_one_by_one_with_rows_ending_at_different_times(model, prompts, k: int) -> None:  # noqa: ANN001
+    cfg = DecodeConfig(block_size=k, threshold=0.5, max_new_tokens=20, mask_token_id=MASK, batch_size=4)
+    eos = _eos_ending_rows_at_different_times(decode(model, prompts, cfg), k)
+    cfg = dataclasses.replace(cfg, eos_token_ids=eos)
+    batched = decode(model, prompts, cfg)
+    assert len({len(o.tokens) for o in batched}) > 1
+    for prompt, out in zip(prompts, batched, strict=True):
+        single = decode(model, [prompt], cfg)[0]
+        assert (out.tokens, out.commit_steps, out.nfe) == (single.tokens, single.commit_steps, single.nfe)
+        if out.tokens[-1] in eos:  # stops at (and keeps) the first end-of-output token
+            assert not set(out.tokens[:-1]) & set(eos)
+        else:
+            assert len(out.tokens) == 20 and not set(out.tokens) & set(eos)
+
+
+def test_commit_rule_commits_above_tau_plus_the_most_confident() -> None:
+    conf = torch.tensor([[0.95, 0.3, 0.92, 0.6], [0.2, 0.4, 0.3, 0.99], [0.5, 0.1, 0.2, 0.3]])
+    cand = torch.tensor([[True, True, True, True], [True, True, True, False], [False, False, False, False]])
+    commit = _commit_mask(cand, conf.log(), threshold=0.9, fill=False)
+    assert commit.tolist() == [
+        [True, False, True, False],  # both above tau
+        [False, True, False, False],  # none above tau among candidates: the most confident one
+        [False, False, False, False],  # nothing left to commit in this row
+    ]
+    assert torch.equal(_commit_mask(cand, conf.log(), threshold=0.9, fill=True), cand)
+
+
+def test_every_step_commits_and_parallel_commits_are_confident(model, prompts) -> None:  # noqa: ANN001
+    cfg = DecodeConfig(block_size=4, threshold=0.5, max_new_tokens=20, mask_token_id=MASK)
+    for out in decode(model, prompts, cfg):
+        probs = torch.tensor(out.token_logprobs).exp()
+        for start in range(0, len(out.tokens), 4):
+            steps = out.commit_steps[start : start + 4]
+            assert steps[0] == 0
+            assert sorted(set(steps[1:])) == list(range(1, max(steps) + 1))  # progress at every step
+            for s in set(steps[1:]):
+                group = [start + i for i, t in enumerate(steps) if t == s]
+                if len(group) > 1:  # several at once: all of them passed the threshold
+                    assert bool((probs[group] > 0.5).all())
+
+
+def test_step_cap_fills_the_block(model, prompts) -> None:  # noqa: ANN001
+    cfg = DecodeConfig(
+        block_size=8, threshold=1.0, max_new_tokens=16, mask_token_id=MASK, max_steps_per_block=2
+    )
+    for out in decode(model, prompts, cfg):
+        assert max(out.commit_steps) <= 2
+        assert out.nfe == 1 + 2 + 1 + 2  # prefill, 2 steps, commit, 2 steps (the last block needs no commit)
+
+
+def test_max_new_tokens_not_a_multiple_of_the_block(model, prompts) -> None:  # noqa: ANN001
+    cfg = DecodeConfig(block_size=4, threshold=0.9, max_new_tokens=10, mask_token_id=MASK)
+    for out in decode(model, prompts, cfg):
+        assert len(out.tokens) == len(out.commit_steps) == len(out.token_logprobs) == 10
+        assert len(out.tail_tokens) == len(out.tail_steps) == 2
+
+
+def test_sampling_is_seeded(model, prompts) -> None:  # noqa: ANN001
+    cfg = DecodeConfig(
+        block_size=4, threshold=0.7, max_new_tokens=16, mask_token_id=MASK, do_sample=True, temperature=1.5
+    )
+    first, again = decode(model, prompts, cfg), decode(model, prompts, cfg)
+    other = decode(model, prompts, dataclasses.replace(cfg, seed=1))
+    assert [o.tokens for o in first] == [o.tokens for o in again]
+    assert [o.tokens for o in first] != [o.tokens for o in other]
+    greedy = decode(model, prompts, dataclasses.replace(cfg, do_sample=False))
+    assert [o.tokens for o in first] != [o.tokens for o in greedy]
+
+
+def test_block_size_above_one_needs_the_mask_token(model, prompts) -> None:  # noqa: ANN001
+    with pytest.raises(ValueError, match="mask_token_id"):
+        decode(model, prompts, DecodeConfig(block_size=4))
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_eager_and_flex_backends_decode_the_same(model, prompts, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+    # uncompiled flex (transformers would spend ~20 s compiling it on CPU); same masks, same maths
+    monkeypatch.setattr(
+        hf_flex,
+        "compile_friendly_flex_attention",
+        lambda q, k, v, training=False, **kw: flex_attention(q, k, v, **kw),
+    )
+    cfg = DecodeConfig(block_size=4, threshold=0.5, max_new_tokens=8, mask_token_id=MASK)
+    ref = decode(model, prompts[:2], cfg)
+    for attn in ("eager", "flex_attention"):
+        out = decode(same_weights(model, attn), prompts[:2], cfg)
+        assert [(o.tokens, o.commit_steps) for o in out] == [(o.tokens, o.commit_steps) for o in ref]

@@ -1,0 +1,87 @@
+"""Model factory, atomic save/load, and AR -> block-diffusion conversion."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from diffusion_gr2.core.model.diffusion import convert_to_block_diffusion
+from diffusion_gr2.core.model.factory import ModelSpec, build_model, load_model, save_model
+from tests.core.model.tiny import tiny_tokenizer
+
+SMALL = ModelSpec(
+    hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16, intermediate_size=64
+)
+
+
+def test_config_model_takes_the_tokenizer_vocab_and_is_seeded() -> None:
+    tok = tiny_tokenizer(40)
+    before = torch.random.get_rng_state()
+    model = build_model(SMALL, tok)
+    assert torch.equal(torch.random.get_rng_state(), before)  # the caller's RNG is untouched
+    assert model.config.vocab_size == 40 and model.get_input_embeddings().num_embeddings == 40
+    assert model.config.pad_token_id == tok.pad_token_id and model.config.eos_token_id == tok.eos_token_id
+    assert model.config._attn_implementation == "sdpa" and model.config.tie_word_embeddings
+    again = build_model(SMALL, tok)
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(model.state_dict().values(), again.state_dict().values(), strict=True)
+    )
+
+
+def test_default_spec_is_the_documented_size() -> None:
+    model = build_model(ModelSpec(), tiny_tokenizer())
+    cfg = model.config
+    assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads) == (
+        128,
+        4,
+        4,
+        2,
+    )
+    assert (cfg.head_dim, cfg.intermediate_size, cfg.max_position_embeddings) == (32, 384, 1024)
+
+
+def test_save_load_round_trip_and_pretrained_resize(tmp_path: Path) -> None:
+    tok = tiny_tokenizer(40)
+    model = build_model(SMALL, tok)
+    out = save_model(model, tok, tmp_path / "m")
+    assert (out / "model.safetensors").exists() and (out / "tokenizer.json").exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temp dir left behind
+    loaded = load_model(out)
+    ids = torch.tensor([[3, 4, 5, 6]])
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, model(ids).logits)
+    bigger = build_model(ModelSpec(kind="pretrained", path=str(out)), tiny_tokenizer(50))  # tokens were added
+    assert bigger.get_input_embeddings().num_embeddings == 50
+    assert torch.equal(bigger.get_input_embeddings().weight[:40], model.get_input_embeddings().weight)
+
+
+def test_bad_specs_are_refused() -> None:
+    with pytest.raises(ValueError, match="unknown model kind"):
+        build_model(ModelSpec(kind="onnx"), tiny_tokenizer())
+    with pytest.raises(ValueError, match="needs a path"):
+        build_model(ModelSpec(kind="gguf"), tiny_tokenizer())
+
+
+def test_conversion_copies_weights_and_records_block_size(tmp_path: Path) -> None:
+    tok = tiny_tokenizer(40)
+    ar = build_model(SMALL, tok)
+    save_model(ar, tok, tmp_path / "ar")
+    out = convert_to_block_diffusion(tmp_path / "ar", tmp_path / "bd", 8, tok)
+    bd = load_model(out)
+    assert bd.config.block_size == 8 and bd.config.mask_token_id == tok.mask_token_id
+    ar_sd, bd_sd = ar.state_dict(), bd.state_dict()
+    assert ar_sd.keys() == bd_sd.keys()
+    assert all(torch.equal(ar_sd[k], bd_sd[k]) for k in ar_sd)
+
+
+def test_conversion_needs_the_mask_token_in_the_vocab(tmp_path: Path) -> None:
+    tok = tiny_tokenizer(40)
+    save_model(build_model(SMALL, tok), tok, tmp_path / "ar")
+    no_mask = tiny_tokenizer(40)
+    no_mask.mask_token = None
+    with pytest.raises(ValueError, match="mask token"):
+        convert_to_block_diffusion(tmp_path / "ar", tmp_path / "bd", 4, no_mask)
+    assert not (tmp_path / "bd").exists()

@@ -1,0 +1,115 @@
+"""The one mask predicate: dense masks against plain-loop rules, and its three forms agree."""
+
+from __future__ import annotations
+
+import torch
+
+from diffusion_gr2.core.model.masks import (
+    additive_mask,
+    attention_mask,
+    cached_step_mask,
+    dense_mask,
+    flex_mask,
+    prompt_response_layout,
+    two_copy_layout,
+)
+
+K = 3
+
+
+def _roles(pv: list[bool], rv: list[bool], two_copies: bool) -> list[tuple[str, int, bool]]:
+    """(part, block index or column, valid) per column, written out the long way."""
+    cols = [("prompt", i, v) for i, v in enumerate(pv)]
+    parts = ("noisy", "clean") if two_copies else ("clean",)
+    for part in parts:
+        cols += [(part, j // K, v) for j, v in enumerate(rv)]
+    return cols
+
+
+def _allowed(q: tuple[str, int, bool], kv: tuple[str, int, bool]) -> bool:
+    """DESIGN §5 in words: prompt causal, never sees the response; clean copy block-causal + prompt;
+    noisy block sees the prompt, strictly earlier clean blocks and itself."""
+    (qp, qb, _), (kp, kb, kvalid) = q, kv
+    if not kvalid:
+        return False
+    if qp == "prompt":
+        return kp == "prompt" and kb <= qb
+    if kp == "prompt":
+        return True
+    if qp == "clean":
+        return kp == "clean" and kb <= qb
+    return (kp == "clean" and kb < qb) or (kp == "noisy" and kb == qb)
+
+
+def _reference(pv: torch.Tensor, rv: torch.Tensor, two_copies: bool) -> torch.Tensor:
+    rows = []
+    for b in range(pv.shape[0]):
+        cols = _roles(pv[b].tolist(), rv[b].tolist(), two_copies)
+        m = [[_allowed(q, kv) or qi == ki for ki, kv in enumerate(cols)] for qi, q in enumerate(cols)]
+        rows.append(torch.tensor(m))
+    return torch.stack(rows)[:, None]
+
+
+def _padded() -> tuple[torch.Tensor, torch.Tensor]:
+    pv = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0], [0, 0, 1, 1]], dtype=torch.bool)  # right and left padding
+    rv = torch.tensor([[1] * 7, [1] * 5 + [0] * 2, [1] * 7], dtype=torch.bool)
+    return pv, rv
+
+
+def test_inference_mask_matches_plain_loop_rules() -> None:
+    pv, rv = _padded()
+    assert torch.equal(dense_mask(prompt_response_layout(pv, rv, K)), _reference(pv, rv, two_copies=False))
+
+
+def test_training_mask_matches_plain_loop_rules() -> None:
+    pv, rv = _padded()
+    assert torch.equal(dense_mask(two_copy_layout(pv, rv, K)), _reference(pv, rv, two_copies=True))
+
+
+def test_block_size_one_is_causal_and_positions_skip_padding() -> None:
+    pv = torch.ones(1, 3, dtype=torch.bool)
+    layout = prompt_response_layout(pv, torch.ones(1, 4, dtype=torch.bool), 1)
+    assert torch.equal(dense_mask(layout)[0, 0], torch.tril(torch.ones(7, 7, dtype=torch.bool)))
+    left = prompt_response_layout(
+        torch.tensor([[False, False, True, True]]), torch.ones(1, 2, dtype=torch.bool), 2
+    )
+    assert left.position.tolist() == [[0, 0, 0, 1, 2, 3]]
+
+
+def test_two_copy_positions_are_shared() -> None:
+    pv, rv = _padded()
+    layout = two_copy_layout(pv, rv, K)
+    p, r = pv.shape[1], rv.shape[1]
+    assert torch.equal(layout.position[:, p : p + r], layout.position[:, p + r :])
+    assert layout.position[1, p].item() == 2  # the response follows the 2 real prompt tokens
+
+
+def test_additive_mask_uses_finfo_min() -> None:
+    mask = torch.tensor([[True, False]])
+    out = additive_mask(mask, torch.bfloat16)
+    assert out.dtype == torch.bfloat16
+    assert out.tolist() == [[0.0, torch.finfo(torch.bfloat16).min]]
+    assert (
+        attention_mask(prompt_response_layout(mask, mask, 1), "eager", torch.float32).dtype == torch.float32
+    )
+
+
+def test_cached_step_slice_equals_predicate() -> None:
+    pv = torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1]], dtype=torch.bool)  # left-padded, as the decoder does
+    layout = prompt_response_layout(pv, torch.ones(2, 3 * K, dtype=torch.bool), K)
+    for done_blocks in range(3):
+        head = layout.head(pv.shape[1] + (done_blocks + 1) * K)
+        full = dense_mask(head, q_len=K)  # [b, 1, K, n]
+        assert torch.equal(cached_step_mask(head.valid, "sdpa", torch.float32).expand_as(full), full)
+
+
+def test_flex_block_mask_is_built_from_the_same_predicate() -> None:
+    pv, rv = _padded()
+    layout = two_copy_layout(pv, rv, K)
+    block_mask = flex_mask(layout)
+    assert tuple(block_mask.shape) == (3, 1, layout.length, layout.length)
+    b, q, kv = torch.meshgrid(
+        torch.arange(3), torch.arange(layout.length), torch.arange(layout.length), indexing="ij"
+    )
+    via_mod = block_mask.mask_mod(b, torch.zeros_like(b), q, kv)
+    assert torch.equal(via_mod[:, None], dense_mask(layout))
