@@ -30,19 +30,27 @@ MASK_ID = 1
 def _tokenizer(size: int) -> PreTrainedTokenizerFast:
     vocab = {"<pad>": 0, "[MASK]": MASK_ID} | {f"w{i}": i for i in range(2, size)}
     return PreTrainedTokenizerFast(
-        tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="<pad>")), pad_token="<pad>", mask_token="[MASK]"
+        tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="<pad>")),
+        pad_token="<pad>",
+        mask_token="[MASK]",
     )
 
 
-def _timed(fn: Callable[[], int], repeats: int) -> tuple[float, int]:
-    """Median wall time of `fn` (after one warm-up) and the number of output tokens it returned."""
-    fn()
-    times, n = [], 0
+def _timed(fns: list[Callable[[], int]], repeats: int) -> list[tuple[float, int]]:
+    """Best wall time of each `fn` and the output tokens it returned.
+
+    The functions run interleaved (after one warm-up each) so that load from other processes on a
+    shared machine hits them alike; the minimum is the least noisy estimate of the undisturbed time.
+    """
+    for fn in fns:
+        fn()
+    best, tokens = [float("inf")] * len(fns), [0] * len(fns)
     for _ in range(repeats):
-        start = time.perf_counter()
-        n = fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times), n
+        for i, fn in enumerate(fns):
+            start = time.perf_counter()
+            tokens[i] = fn()
+            best[i] = min(best[i], time.perf_counter() - start)
+    return list(zip(best, tokens, strict=True))
 
 
 def _ours(model: PreTrainedModel, prompts: list[list[int]], cfg: DecodeConfig) -> Callable[[], int]:
@@ -80,37 +88,39 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=130)
     parser.add_argument("--vocab", type=int, default=2048)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     model = build_model(ModelSpec(), _tokenizer(args.vocab))
     gen = torch.Generator().manual_seed(0)
     all_prompts = torch.randint(2, args.vocab, (16, args.prompt_len), generator=gen).tolist()
     n_params = sum(p.numel() for p in model.parameters()) / 1e6
-    print(f"model {n_params:.2f}M params, prompt {args.prompt_len}, new tokens {args.new_tokens}, threads {args.threads}")
+    print(
+        f"model {n_params:.2f}M params, prompt {args.prompt_len}, new tokens {args.new_tokens}, threads {args.threads}"
+    )
     print(f"{'system':34s} {'batch':>5s} {'tok/s':>8s} {'NFE/sample':>10s} {'tok/fwd':>8s}")
     ar = DecodeConfig(max_new_tokens=args.new_tokens, batch_size=16)
     for batch in (1, 16):
         prompts = all_prompts[:batch]
-        hf = _hf(model, prompts, args.new_tokens)
-        t, n = _timed(hf, args.repeats)
-        _row("transformers generate (greedy, cache)", batch, n / t, float(args.new_tokens + 0))
-        ours = _ours(model, prompts, ar)
-        t, n = _timed(ours, args.repeats)
+        hf, ours = _hf(model, prompts, args.new_tokens), _ours(model, prompts, ar)
+        (t_hf, n_hf), (t_ours, n_ours) = _timed([hf, ours], args.repeats)
         assert [o.tokens for o in decode(model, prompts, ar)] == hf.tokens, "AR decoder must equal generate"
-        _row("ours AR (B=1)", batch, n / t, ours.nfe, n / batch)
+        _row("transformers generate (greedy, cache)", batch, n_hf / t_hf, float(args.new_tokens))
+        _row("ours AR (B=1)", batch, n_ours / t_ours, ours.nfe, n_ours / batch)
     _block_rows(model, all_prompts, ar, args.repeats, "random")
     with torch.no_grad():
         model.lm_head.weight.mul_(30.0)  # tied: scales the embedding too; makes predictions peaked
     _block_rows(model, all_prompts, ar, args.repeats, "confident")
 
 
-def _block_rows(model: PreTrainedModel, all_prompts: list[list[int]], ar: DecodeConfig, repeats: int, label: str) -> None:
+def _block_rows(
+    model: PreTrainedModel, all_prompts: list[list[int]], ar: DecodeConfig, repeats: int, label: str
+) -> None:
     for k in (16, 32):
         for batch in (1, 16):
             cfg = dataclasses.replace(ar, block_size=k, threshold=0.9, mask_token_id=MASK_ID)
             ours = _ours(model, all_prompts[:batch], cfg)
-            t, n = _timed(ours, repeats)
+            ((t, n),) = _timed([ours], repeats)
             _row(f"ours block B={k} tau=0.9 ({label})", batch, n / t, ours.nfe, n / batch)
 
 

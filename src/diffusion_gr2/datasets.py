@@ -7,13 +7,14 @@ Kedro's stock datasets write in place; a crash mid-write would leave a truncated
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path, PurePosixPath
 from typing import Any
 
 import pandas as pd
 from kedro.io import AbstractDataset, DatasetError
 
-from diffusion_gr2.core.io import atomic_write_json, atomic_write_parquet
+from diffusion_gr2.core.io import atomic_directory, atomic_write_json, atomic_write_parquet
 
 
 class _AtomicFileDataset(AbstractDataset[Any, Any]):
@@ -57,3 +58,51 @@ class AtomicParquetDataset(_AtomicFileDataset):
 
     def save(self, data: pd.DataFrame) -> None:
         atomic_write_parquet(data, self.path)
+
+
+class PretrainedDataset(_AtomicFileDataset):
+    """A Hugging Face model or tokenizer directory (``save_pretrained``, safetensors), written atomically.
+
+    On save it is also logged to the active MLflow run under ``models/<folder name>``, so every
+    stage's model sits beside the parameters and metrics that produced it.
+    """
+
+    def __init__(
+        self,
+        filepath: str,
+        kind: str = "model",
+        tokenizer_path: str | None = None,
+        log_to_mlflow: bool = True,
+        metadata: dict[str, Any] | None = None,
+    ) -> None:
+        super().__init__(filepath, metadata)
+        # A model directory also carries its tokenizer, so it loads (and serves) on its own.
+        self._tokenizer_path = Path(tokenizer_path) if tokenizer_path else None
+        if kind not in ("model", "tokenizer"):
+            raise DatasetError(f"PretrainedDataset kind must be 'model' or 'tokenizer', got {kind!r}")
+        self._kind = kind
+        self._log_to_mlflow = log_to_mlflow
+
+    def _describe(self) -> dict[str, Any]:
+        return {"filepath": str(self._filepath), "kind": self._kind}
+
+    def load(self) -> Any:
+        if not self.path.exists():
+            raise self._missing()
+        if self._kind == "tokenizer":
+            from transformers import PreTrainedTokenizerFast
+
+            return PreTrainedTokenizerFast.from_pretrained(self.path, local_files_only=True)
+        from diffusion_gr2.core.model.factory import load_model
+
+        return load_model(self.path)
+
+    def save(self, data: Any) -> None:
+        with atomic_directory(self.path) as tmp:
+            data.save_pretrained(tmp)
+            if self._tokenizer_path is not None:
+                shutil.copytree(self._tokenizer_path, tmp, dirs_exist_ok=True)
+        if self._log_to_mlflow:
+            from diffusion_gr2.core.tracking.mlflow_utils import log_model_directory
+
+            log_model_directory(self.path, self.path.name)

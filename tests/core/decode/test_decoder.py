@@ -8,8 +8,10 @@ import pytest
 import torch
 import transformers.integrations.flex_attention as hf_flex
 from torch.nn.attention.flex_attention import flex_attention
+from transformers import PreTrainedModel
 
 from diffusion_gr2.core.decode.decoder import DecodeConfig, DecodeOutput, _commit_mask, decode
+from diffusion_gr2.core.decode.kv_cache import BufferLayer
 from tests.core.model.tiny import MASK, random_prompts, same_weights, tiny_model
 
 torch.set_num_threads(1)
@@ -17,7 +19,7 @@ LENGTHS = [7, 12, 3, 9, 5]
 
 
 @pytest.fixture(scope="module")
-def model():  # noqa: ANN201
+def model() -> PreTrainedModel:
     return tiny_model()
 
 
@@ -26,7 +28,7 @@ def prompts() -> list[list[int]]:
     return random_prompts(LENGTHS)
 
 
-def _generate(model, prompt: list[int], n: int, eos: tuple[int, ...] = ()) -> list[int]:  # noqa: ANN001
+def _generate(model: PreTrainedModel, prompt: list[int], n: int, eos: tuple[int, ...] = ()) -> list[int]:
     kwargs = {"eos_token_id": list(eos)} if eos else {}
     out = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=n, pad_token_id=0, **kwargs)
     return out[0, len(prompt) :].tolist()
@@ -37,7 +39,7 @@ def _eos_ending_rows_at_different_times(outputs: list[DecodeOutput], k: int) -> 
     return outputs[0].tokens[k + 1], outputs[1].tokens[3 * k + 2]
 
 
-def test_block_size_one_reproduces_generate(model, prompts) -> None:  # noqa: ANN001
+def test_block_size_one_reproduces_generate(model: PreTrainedModel, prompts: list[list[int]]) -> None:
     ours = decode(model, prompts, DecodeConfig(max_new_tokens=16, batch_size=3))
     for prompt, out in zip(prompts, ours, strict=True):
         assert out.tokens == _generate(model, prompt, 16)
@@ -46,7 +48,9 @@ def test_block_size_one_reproduces_generate(model, prompts) -> None:  # noqa: AN
     assert alone.tokens == ours[0].tokens
 
 
-def test_block_size_one_with_eos_matches_generate_batched(model, prompts) -> None:  # noqa: ANN001
+def test_block_size_one_with_eos_matches_generate_batched(
+    model: PreTrainedModel, prompts: list[list[int]]
+) -> None:
     free = decode(model, prompts, DecodeConfig(max_new_tokens=16))
     eos = _eos_ending_rows_at_different_times(free, 1)
     ours = decode(model, prompts, DecodeConfig(max_new_tokens=16, eos_token_ids=eos))
@@ -56,7 +60,7 @@ def test_block_size_one_with_eos_matches_generate_batched(model, prompts) -> Non
         assert out.nfe == len(out.tokens)
 
 
-def test_block_size_one_recompute_equals_cached(model, prompts) -> None:  # noqa: ANN001
+def test_block_size_one_recompute_equals_cached(model: PreTrainedModel, prompts: list[list[int]]) -> None:
     cfg = DecodeConfig(max_new_tokens=12)
     cached = decode(model, prompts, cfg)
     full = decode(model, prompts, dataclasses.replace(cfg, recompute=True))
@@ -64,7 +68,9 @@ def test_block_size_one_recompute_equals_cached(model, prompts) -> None:  # noqa
 
 
 @pytest.mark.parametrize(("k", "tau"), [(4, 0.9), (4, 0.5), (8, 0.3)])
-def test_block_cached_equals_recompute(model, prompts, k: int, tau: float) -> None:  # noqa: ANN001
+def test_block_cached_equals_recompute(
+    model: PreTrainedModel, prompts: list[list[int]], k: int, tau: float
+) -> None:
     cfg = DecodeConfig(block_size=k, threshold=tau, max_new_tokens=22, mask_token_id=MASK)
     cached = decode(model, prompts, cfg)
     full = decode(model, prompts, dataclasses.replace(cfg, recompute=True))
@@ -82,7 +88,9 @@ def test_block_cached_equals_recompute(model, prompts, k: int, tau: float) -> No
 
 
 @pytest.mark.parametrize("k", [1, 4])
-def test_batched_equals_one_by_one_with_rows_ending_at_different_times(model, prompts, k: int) -> None:  # noqa: ANN001
+def test_batched_equals_one_by_one_with_rows_ending_at_different_times(
+    model: PreTrainedModel, prompts: list[list[int]], k: int
+) -> None:
     cfg = DecodeConfig(block_size=k, threshold=0.5, max_new_tokens=20, mask_token_id=MASK, batch_size=4)
     eos = _eos_ending_rows_at_different_times(decode(model, prompts, cfg), k)
     cfg = dataclasses.replace(cfg, eos_token_ids=eos)
@@ -109,7 +117,9 @@ def test_commit_rule_commits_above_tau_plus_the_most_confident() -> None:
     assert torch.equal(_commit_mask(cand, conf.log(), threshold=0.9, fill=True), cand)
 
 
-def test_every_step_commits_and_parallel_commits_are_confident(model, prompts) -> None:  # noqa: ANN001
+def test_every_step_commits_and_parallel_commits_are_confident(
+    model: PreTrainedModel, prompts: list[list[int]]
+) -> None:
     cfg = DecodeConfig(block_size=4, threshold=0.5, max_new_tokens=20, mask_token_id=MASK)
     for out in decode(model, prompts, cfg):
         probs = torch.tensor(out.token_logprobs).exp()
@@ -123,7 +133,7 @@ def test_every_step_commits_and_parallel_commits_are_confident(model, prompts) -
                     assert bool((probs[group] > 0.5).all())
 
 
-def test_step_cap_fills_the_block(model, prompts) -> None:  # noqa: ANN001
+def test_step_cap_fills_the_block(model: PreTrainedModel, prompts: list[list[int]]) -> None:
     cfg = DecodeConfig(
         block_size=8, threshold=1.0, max_new_tokens=16, mask_token_id=MASK, max_steps_per_block=2
     )
@@ -132,14 +142,14 @@ def test_step_cap_fills_the_block(model, prompts) -> None:  # noqa: ANN001
         assert out.nfe == 1 + 2 + 1 + 2  # prefill, 2 steps, commit, 2 steps (the last block needs no commit)
 
 
-def test_max_new_tokens_not_a_multiple_of_the_block(model, prompts) -> None:  # noqa: ANN001
+def test_max_new_tokens_not_a_multiple_of_the_block(model: PreTrainedModel, prompts: list[list[int]]) -> None:
     cfg = DecodeConfig(block_size=4, threshold=0.9, max_new_tokens=10, mask_token_id=MASK)
     for out in decode(model, prompts, cfg):
         assert len(out.tokens) == len(out.commit_steps) == len(out.token_logprobs) == 10
         assert len(out.tail_tokens) == len(out.tail_steps) == 2
 
 
-def test_sampling_is_seeded(model, prompts) -> None:  # noqa: ANN001
+def test_sampling_is_seeded(model: PreTrainedModel, prompts: list[list[int]]) -> None:
     cfg = DecodeConfig(
         block_size=4, threshold=0.7, max_new_tokens=16, mask_token_id=MASK, do_sample=True, temperature=1.5
     )
@@ -151,13 +161,15 @@ def test_sampling_is_seeded(model, prompts) -> None:  # noqa: ANN001
     assert [o.tokens for o in first] != [o.tokens for o in greedy]
 
 
-def test_block_size_above_one_needs_the_mask_token(model, prompts) -> None:  # noqa: ANN001
+def test_block_size_above_one_needs_the_mask_token(model: PreTrainedModel, prompts: list[list[int]]) -> None:
     with pytest.raises(ValueError, match="mask_token_id"):
         decode(model, prompts, DecodeConfig(block_size=4))
 
 
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
-def test_eager_and_flex_backends_decode_the_same(model, prompts, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+def test_eager_and_flex_backends_decode_the_same(
+    model: PreTrainedModel, prompts: list[list[int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
     # uncompiled flex (transformers would spend ~20 s compiling it on CPU); same masks, same maths
     monkeypatch.setattr(
         hf_flex,
@@ -169,3 +181,15 @@ def test_eager_and_flex_backends_decode_the_same(model, prompts, monkeypatch: py
     for attn in ("eager", "flex_attention"):
         out = decode(same_weights(model, attn), prompts[:2], cfg)
         assert [(o.tokens, o.commit_steps) for o in out] == [(o.tokens, o.commit_steps) for o in ref]
+
+
+def test_buffer_cache_crops_and_refuses_overflow() -> None:
+    layer = BufferLayer(capacity=4)
+    keys = torch.randn(1, 2, 3, 8)
+    k, _ = layer.update(keys, keys)
+    assert torch.equal(k, keys) and layer.get_seq_length() == 3
+    layer.crop(-2)
+    k, _ = layer.update(keys[:, :, :1] + 1, keys[:, :, :1])
+    assert torch.equal(k[:, :, 0], keys[:, :, 0]) and torch.equal(k[:, :, 1], keys[:, :, 0] + 1)
+    with pytest.raises(ValueError, match="capacity"):
+        layer.update(keys, keys)

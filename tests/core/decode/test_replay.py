@@ -6,6 +6,7 @@ import dataclasses
 
 import pytest
 import torch
+from transformers import PreTrainedModel
 
 from diffusion_gr2.core.decode.decoder import DecodeConfig, DecodeOutput, decode
 from diffusion_gr2.core.decode.replay import replay_logits, replay_logprobs
@@ -17,11 +18,11 @@ PROMPTS = random_prompts([7, 12, 3, 9])
 
 
 @pytest.fixture(scope="module")
-def model():  # noqa: ANN201
+def model() -> PreTrainedModel:
     return tiny_model()
 
 
-def _decode_with_mid_block_eos(model, k: int, tau: float) -> list[DecodeOutput]:  # noqa: ANN001
+def _decode_with_mid_block_eos(model: PreTrainedModel, k: int, tau: float) -> list[DecodeOutput]:
     """Rows ending at an eos inside a block (so the final block has a tail), and one without eos."""
     cfg = DecodeConfig(block_size=k, threshold=tau, max_new_tokens=24, mask_token_id=MASK)
     free = decode(model, PROMPTS, cfg)
@@ -35,7 +36,7 @@ def _assert_logprobs_close(got: torch.Tensor, out: DecodeOutput) -> None:
 
 @pytest.mark.parametrize(("k", "tau"), [(1, 0.9), (4, 0.9), (4, 0.5), (8, 0.5)])
 @torch.no_grad()
-def test_replay_reproduces_the_decoder_logprobs(model, k: int, tau: float) -> None:  # noqa: ANN001
+def test_replay_reproduces_the_decoder_logprobs(model: PreTrainedModel, k: int, tau: float) -> None:
     outputs = _decode_with_mid_block_eos(model, k, tau)
     for prompt, out in zip(PROMPTS, outputs, strict=True):
         _assert_logprobs_close(replay_logprobs(model, prompt, out, k, MASK), out)
@@ -56,7 +57,7 @@ def _visible_tail_case(outputs: list[DecodeOutput], k: int) -> tuple[int, int]:
 
 
 @torch.no_grad()
-def test_replay_needs_the_tail_of_the_final_block(model) -> None:  # noqa: ANN001
+def test_replay_needs_the_tail_of_the_final_block(model: PreTrainedModel) -> None:
     cfg = DecodeConfig(block_size=8, threshold=0.5, max_new_tokens=24, mask_token_id=MASK)
     row, eos = _visible_tail_case(decode(model, PROMPTS, cfg), 8)
     out = decode(model, PROMPTS[row : row + 1], dataclasses.replace(cfg, eos_token_ids=(eos,)))[0]
@@ -69,7 +70,7 @@ def test_replay_needs_the_tail_of_the_final_block(model) -> None:  # noqa: ANN00
 
 
 @torch.no_grad()
-def test_replay_of_sampled_rollouts_uses_the_temperature(model) -> None:  # noqa: ANN001
+def test_replay_of_sampled_rollouts_uses_the_temperature(model: PreTrainedModel) -> None:
     cfg = DecodeConfig(
         block_size=4, threshold=0.6, max_new_tokens=12, mask_token_id=MASK, do_sample=True, temperature=1.7
     )
@@ -77,7 +78,7 @@ def test_replay_of_sampled_rollouts_uses_the_temperature(model) -> None:  # noqa
         _assert_logprobs_close(replay_logprobs(model, prompt, out, 4, MASK, temperature=1.7), out)
 
 
-def test_replay_is_differentiable(model) -> None:  # noqa: ANN001
+def test_replay_is_differentiable(model: PreTrainedModel) -> None:
     cfg = DecodeConfig(block_size=4, threshold=0.5, max_new_tokens=8, mask_token_id=MASK)
     out = decode(model, PROMPTS[:1], cfg)[0]
     model.zero_grad()
@@ -97,7 +98,7 @@ def _canvas_at_step(out: DecodeOutput, k: int, step: int) -> tuple[torch.Tensor,
 
 @pytest.mark.parametrize("tau", [0.9, 0.5])
 @torch.no_grad()
-def test_training_forward_pins_the_token_shift_convention(model, tau: float) -> None:  # noqa: ANN001
+def test_training_forward_pins_the_token_shift_convention(model: PreTrainedModel, tau: float) -> None:
     """`response_logits` on the decoder's step-s canvas gives the logits the decoder committed from:
     position 0 of a block from the clean copy (previous block's last position), the rest from the
     noisy copy's previous position."""

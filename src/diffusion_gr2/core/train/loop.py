@@ -297,7 +297,8 @@ def train(
     )
     for step in range(state.step, config.max_steps):
         metrics = _train_step(run, step, make_batch, loss_fn)
-        state.step, state.history = step + 1, [*state.history, metrics]
+        state.step = step + 1
+        state.history.append(metrics)
         bar.update(1)
         bar.set_postfix(loss=f"{metrics['loss']:.4f}")
         _log(run, metrics, tracker)

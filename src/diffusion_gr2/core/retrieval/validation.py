@@ -1,0 +1,141 @@
+"""Checks for the `candidates` frame: a pandera schema and a Great Expectations suite (DESIGN §3).
+
+GX has no reliable expectations on list cells under pandas 2.3 object columns, so the suite runs on a
+scalar view of the frame (`candidate_check_frame`): one row per list with its length, duplicate count,
+foreign-ID count and whether the target sits where `target_position` says.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import pandera.pandas as pa
+
+from diffusion_gr2.core.data.expectations import ExpectationReport, run_expectations
+from diffusion_gr2.core.data.schemas import validate
+from diffusion_gr2.core.retrieval.candidates import SPLITS
+
+
+def _ids(value: Any) -> list[int] | None:
+    """A list cell (list or numpy array from parquet) as ints; None if it is not a list of integers."""
+    if not isinstance(value, list | tuple | np.ndarray):
+        return None
+    if not all(isinstance(v, int | np.integer) and not isinstance(v, bool) for v in value):
+        return None
+    return [int(v) for v in value]
+
+
+def _id_list_check(num_items: int, length: int | None, unique: bool, name: str) -> pa.Check:
+    def check(value: Any) -> bool:
+        ids = _ids(value)
+        return (
+            ids is not None
+            and (length is None or len(ids) == length)
+            and (not unique or len(set(ids)) == len(ids))
+            and all(0 <= v < num_items for v in ids)
+        )
+
+    return pa.Check(check, element_wise=True, name=name)
+
+
+def _position_matches(df: pd.DataFrame) -> pd.Series:
+    """target_position p > 0 means candidates[p-1] == target; p == 0 means the target is absent."""
+    return pd.Series([_position_ok(c, t, p) for c, t, p in _triples(df)], index=df.index)
+
+
+def _triples(df: pd.DataFrame) -> zip:
+    return zip(df["candidates"], df["target"], df["target_position"], strict=True)
+
+
+def _position_ok(candidates: Any, target: int, position: int) -> bool:
+    ids = _ids(candidates) or []
+    if position == 0:
+        return int(target) not in ids
+    return 0 < position <= len(ids) and ids[position - 1] == int(target)
+
+
+def candidates_schema(n: int, num_items: int, require_target: bool = True) -> pa.DataFrameSchema:
+    """Pandera schema of the candidates frame for lists of length n over a catalog of num_items."""
+    return pa.DataFrameSchema(
+        {
+            "user_id": pa.Column("int64", pa.Check.ge(0)),
+            "split": pa.Column(str, pa.Check.isin(SPLITS)),
+            "history": pa.Column(object, _id_list_check(num_items, None, False, "history_ids_in_catalog")),
+            "target": pa.Column("int64", pa.Check.in_range(0, num_items - 1)),
+            "candidates": pa.Column(object, _id_list_check(num_items, n, True, f"{n}_unique_ids_in_catalog")),
+            "target_position": pa.Column("int64", pa.Check.in_range(1 if require_target else 0, n)),
+        },
+        checks=[pa.Check(_position_matches, name="target_position_matches_list")],
+        strict=True,
+        name="candidates",
+    )
+
+
+def validate_candidates(frame: pd.DataFrame, n: int, num_items: int, require_target: bool = True) -> pd.DataFrame:
+    """Validate with `candidates_schema`; raises `SchemaValidationError` naming columns, checks and rows."""
+    return validate(frame, candidates_schema(n, num_items, require_target), "candidates")
+
+
+def candidate_check_frame(frame: pd.DataFrame, num_items: int) -> pd.DataFrame:
+    """Scalar view for GX, indexed "row:split/user" so a failure names the list it came from."""
+    lists = [_ids(c) or [] for c in frame["candidates"]]
+    histories = [_ids(h) or [] for h in frame["history"]]
+    targets = frame["target"].to_numpy(dtype=np.int64)
+    check = pd.DataFrame(
+        {
+            "user_id": frame["user_id"].to_numpy(),
+            "split": frame["split"].to_numpy(),
+            "target": targets,
+            "target_position": frame["target_position"].to_numpy(),
+            "n_candidates": [len(c) for c in lists],
+            "n_duplicates": [len(c) - len(set(c)) for c in lists],
+            "n_foreign": [sum(not 0 <= v < num_items for v in c) for c in lists],
+            "n_history_foreign": [sum(not 0 <= v < num_items for v in h) for h in histories],
+            "target_in_list": [int(t) in c for t, c in zip(targets, lists, strict=True)],
+            "position_matches": _position_matches(frame).to_numpy(),
+        }
+    )
+    labels = [f"{i}:{s}/{u}" for i, (s, u) in enumerate(zip(check["split"], check["user_id"], strict=True))]
+    return check.set_index(pd.Index(labels, name="row"))
+
+
+def candidate_suite(n: int, num_items: int, require_target: bool = True) -> list[Any]:
+    """GX expectations on `candidate_check_frame`: list length n, unique IDs, IDs in [0, num_items),
+    target present where required, target_position in 1..n (0..n when not required) and consistent."""
+    import great_expectations.expectations as gxe
+
+    zero = {"min_value": 0, "max_value": 0}
+    suite: list[Any] = [
+        gxe.ExpectTableRowCountToBeBetween(min_value=1),
+        gxe.ExpectColumnValuesToNotBeNull(column="user_id"),
+        gxe.ExpectColumnValuesToBeInSet(column="split", value_set=list(SPLITS)),
+        gxe.ExpectColumnValuesToBeBetween(column="n_candidates", min_value=n, max_value=n),
+        gxe.ExpectColumnValuesToBeBetween(column="n_duplicates", **zero),
+        gxe.ExpectColumnValuesToBeBetween(column="n_foreign", **zero),
+        gxe.ExpectColumnValuesToBeBetween(column="n_history_foreign", **zero),
+        gxe.ExpectColumnValuesToBeBetween(column="target", min_value=0, max_value=num_items - 1),
+        gxe.ExpectColumnValuesToBeBetween(
+            column="target_position", min_value=1 if require_target else 0, max_value=n
+        ),
+        gxe.ExpectColumnValuesToBeInSet(column="position_matches", value_set=[True]),
+    ]
+    if require_target:
+        suite.append(gxe.ExpectColumnValuesToBeInSet(column="target_in_list", value_set=[True]))
+    return suite
+
+
+def check_candidates(
+    frame: pd.DataFrame,
+    n: int,
+    num_items: int,
+    require_target: bool = True,
+    report_dir: Path | str | None = None,
+    suite_name: str = "candidates",
+) -> ExpectationReport:
+    """Run `candidate_suite` through the shared GX runner; saves `<suite_name>.json` under report_dir."""
+    return run_expectations(
+        candidate_check_frame(frame, num_items), suite_name, candidate_suite(n, num_items, require_target), report_dir
+    )

@@ -1,0 +1,341 @@
+"""The training stages as (make_batch, loss_fn) pairs for the one loop (STYLE 3, DESIGN §5–§7).
+
+SFT and CFT read fixed token examples; RL (AR or diffusion) and OPD read rollouts that the current
+policy decodes with the one decoder. A policy is told apart only by its block size: 1 is the AR
+model (log-probs from one causal forward), k > 1 a block-diffusion model (log-probs by replaying the
+canvas each token was committed from — TraceRL). Every ``make_batch`` is a pure function of the
+micro-batch index, the seed and the current weights, so a resumed run repeats itself exactly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from diffusion_gr2.core.decode.decoder import DecodeConfig, DecodeOutput, decode
+from diffusion_gr2.core.decode.replay import replay_logits
+from diffusion_gr2.core.model.diffusion import response_logits
+from diffusion_gr2.core.rank.rewards import ranking_reward
+from diffusion_gr2.core.text.parser import parse_answer
+from diffusion_gr2.core.text.tokenizer import decode_response
+from diffusion_gr2.core.train.grpo import GRPOBatch, make_grpo_batch, policy_loss, token_logprobs
+from diffusion_gr2.core.train.losses import cft_noise, forward_kl, pad_to_blocks, weighted_token_ce
+
+PADDING_ROLE = -1
+
+
+# ---- batches of token sequences -------------------------------------------------------------------
+@dataclass(frozen=True)
+class TokenBatch:
+    """Prompts left-padded [b, p] and responses right-padded [b, r], with validity masks and roles."""
+
+    prompt_ids: torch.Tensor
+    prompt_mask: torch.Tensor
+    response_ids: torch.Tensor
+    response_mask: torch.Tensor
+    roles: torch.Tensor  # [b, r]; PADDING_ROLE on padding
+    index: int = 0  # micro-batch index: seeds the CFT noise of this batch
+
+
+def collate(
+    prompts: Sequence[Sequence[int]],
+    responses: Sequence[Sequence[int]],
+    pad_id: int,
+    roles: Sequence[Sequence[int]] | None = None,
+    index: int = 0,
+) -> TokenBatch:
+    b, p, r = len(prompts), max(map(len, prompts)), max(map(len, responses))
+    prompt_ids = torch.full((b, p), pad_id, dtype=torch.long)
+    response_ids = torch.full((b, r), pad_id, dtype=torch.long)
+    role_ids = torch.full((b, r), PADDING_ROLE, dtype=torch.long)
+    for i, (prompt, response) in enumerate(zip(prompts, responses, strict=True)):
+        prompt_ids[i, p - len(prompt) :] = torch.tensor(prompt)  # left padding: the response follows
+        response_ids[i, : len(response)] = torch.tensor(response)
+        role_ids[i, : len(response)] = torch.tensor(roles[i]) if roles is not None else 1
+    prompt_mask = torch.arange(p)[None, :] >= torch.tensor([p - len(x) for x in prompts])[:, None]
+    response_mask = role_ids != PADDING_ROLE
+    return TokenBatch(prompt_ids, prompt_mask, response_ids, response_mask, role_ids, index)
+
+
+def epoch_sampler(n: int, batch_size: int, seed: int) -> Callable[[int], np.ndarray]:
+    """Row indices of micro-batch ``index``: a fresh seeded permutation of the n rows every epoch."""
+    per_epoch = max(1, n // batch_size)
+
+    def rows(index: int) -> np.ndarray:
+        epoch, slot = divmod(index, per_epoch)
+        order = np.random.default_rng([seed, epoch]).permutation(n)
+        return order[slot * batch_size : (slot + 1) * batch_size]
+
+    return rows
+
+
+# ---- SFT and CFT: fixed teacher traces ----------------------------------------------------------
+@dataclass(frozen=True)
+class SupervisedConfig:
+    """SFT (block_size 1) and CFT (block_size k > 1) on the assistant message."""
+
+    batch_size: int = 8  # examples per micro-batch
+    lambda_r: float = 0.5  # weight of reasoning tokens (GR2: answer tokens weigh more)
+    lambda_o: float = 1.0  # weight of answer tokens
+    block_size: int = 1  # 1 = AR SFT; k > 1 = conversion fine-tuning with block size k
+    eps: float = 1e-3  # CFT: minimum masking probability of a position
+    seed: int = 0
+
+
+def example_batches(examples: pd.DataFrame, pad_id: int, config: SupervisedConfig) -> Callable:
+    """``make_batch(index, model)`` over the SFT examples frame (prompt_ids, response_ids, roles)."""
+    rows_of = epoch_sampler(len(examples), config.batch_size, config.seed)
+    prompts, responses, roles = (list(examples[c]) for c in ("prompt_ids", "response_ids", "response_roles"))
+
+    def make_batch(index: int, model: torch.nn.Module) -> TokenBatch:
+        rows = rows_of(index)
+        return collate(
+            [prompts[i] for i in rows], [responses[i] for i in rows], pad_id, [roles[i] for i in rows], index
+        )
+
+    return make_batch
+
+
+def supervised_loss(config: SupervisedConfig, mask_token_id: int | None = None) -> Callable:
+    """SFT loss (block size 1) or CFT loss: masked-diffusion CE with complementary views (DESIGN §6)."""
+    k = config.block_size
+
+    def loss_fn(model: PreTrainedModel, batch: TokenBatch) -> tuple[torch.Tensor, dict[str, float]]:
+        if k == 1:
+            logits = response_logits(
+                model, batch.prompt_ids, batch.response_ids, 1, None, batch.prompt_mask, batch.response_mask
+            )
+            return weighted_token_ce(
+                logits, batch.response_ids, batch.roles, batch.response_mask, config.lambda_r, config.lambda_o
+            )
+        ids, roles = pad_to_blocks(batch.response_ids, batch.roles, k, mask_token_id)
+        ids = torch.where(roles == PADDING_ROLE, mask_token_id, ids)  # padding = mask tokens without loss
+        gen = torch.Generator().manual_seed(config.seed * 1_000_003 + batch.index)
+        noise = cft_noise(ids, roles, k, mask_token_id, config.eps, gen)
+        # Both complementary views in one forward: every response token is supervised once.
+        logits = response_logits(
+            model,
+            batch.prompt_ids.repeat(2, 1),
+            ids.repeat(2, 1),
+            k,
+            torch.cat([noise.noisy_a, noise.noisy_b]),
+            batch.prompt_mask.repeat(2, 1),
+            (roles != PADDING_ROLE).repeat(2, 1),
+        )
+        return weighted_token_ce(
+            logits,
+            ids.repeat(2, 1),
+            roles.repeat(2, 1),
+            torch.cat([noise.loss_a, noise.loss_b]),
+            config.lambda_r,
+            config.lambda_o,
+        )
+
+    return loss_fn
+
+
+# ---- rollouts: RL and OPD ----------------------------------------------------------------------
+@dataclass(frozen=True)
+class RolloutConfig:
+    """How the policy samples its own answers."""
+
+    prompts_per_step: int = 4  # distinct requests per micro-batch
+    group_size: int = 8  # rollouts per request (G; OPD uses 4)
+    temperature: float = 1.0  # sampling temperature of rollouts
+    threshold: float = 0.9  # tau for block-diffusion rollouts
+    max_new_tokens: int = 192
+    alpha: float = 0.2  # conditional format reward (GR2)
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class Rollouts:
+    """Rollouts laid out request-major: ``outputs[i * g + j]`` is rollout j of request i."""
+
+    prompts: list[list[int]]  # one per rollout
+    outputs: list[DecodeOutput]
+    rewards: torch.Tensor  # [n_requests, g]
+    valid: torch.Tensor  # [n_requests, g] bool
+    block_size: int
+    mask_token_id: int | None
+
+    def token_batch(self, pad_id: int) -> TokenBatch:
+        return collate(self.prompts, [o.tokens for o in self.outputs], pad_id)
+
+
+def policy_block_size(model: PreTrainedModel) -> int:
+    return int(getattr(model.config, "block_size", 1) or 1)
+
+
+def rollout_decode_config(
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, config: RolloutConfig, seed: int
+) -> DecodeConfig:
+    return DecodeConfig(
+        block_size=policy_block_size(model),
+        threshold=config.threshold,
+        max_new_tokens=config.max_new_tokens,
+        do_sample=True,
+        temperature=config.temperature,
+        eos_token_ids=(tokenizer.convert_tokens_to_ids("<|im_end|>"),),
+        mask_token_id=tokenizer.mask_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        batch_size=64,
+        seed=seed,
+    )
+
+
+def score_rollout(
+    tokenizer: PreTrainedTokenizerBase, output: DecodeOutput, request: pd.Series, alpha: float
+) -> tuple[float, bool]:
+    """Reward of one rollout (DESIGN §7): rank promotion + conditional format bonus, −1 if invalid."""
+    sids = list(request["candidate_sids"])
+    parsed = parse_answer(decode_response(tokenizer, output.tokens), sids)
+    candidates = [int(i) for i in request["candidates"]]
+    ranking = [candidates[sids.index(s)] for s in parsed.ranking] if parsed.valid and parsed.ranking else None
+    return ranking_reward(candidates, ranking, int(request["target"]), parsed.valid, alpha), parsed.valid
+
+
+def sample_rollouts(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    requests: pd.DataFrame,
+    config: RolloutConfig,
+    seed: int,
+) -> Rollouts:
+    """G sampled answers per request from the policy's own decoder, with their rewards."""
+    g = config.group_size
+    prompts = [list(p) for p in requests["prompt_ids"] for _ in range(g)]
+    was_training = model.training
+    model.eval()
+    outputs = decode(model, prompts, rollout_decode_config(model, tokenizer, config, seed))
+    model.train(was_training)
+    scored = [score_rollout(tokenizer, o, requests.iloc[i // g], config.alpha) for i, o in enumerate(outputs)]
+    rewards = torch.tensor([s[0] for s in scored], dtype=torch.float32).view(len(requests), g)
+    valid = torch.tensor([s[1] for s in scored]).view(len(requests), g)
+    return Rollouts(prompts, outputs, rewards, valid, policy_block_size(model), tokenizer.mask_token_id)
+
+
+def rollout_logits(model: PreTrainedModel, rollouts: Rollouts, pad_id: int) -> torch.Tensor:
+    """[b, r, v] logits each rollout token was sampled from, under the current weights.
+
+    Block size 1: one causal forward over the padded batch. k > 1: replay of the commit canvases.
+    """
+    if rollouts.block_size == 1:
+        batch = rollouts.token_batch(pad_id)
+        return response_logits(
+            model, batch.prompt_ids, batch.response_ids, 1, None, batch.prompt_mask, batch.response_mask
+        )
+    per_rollout = [
+        replay_logits(model, prompt, out, rollouts.block_size, rollouts.mask_token_id)
+        for prompt, out in zip(rollouts.prompts, rollouts.outputs, strict=True)
+    ]
+    return torch.nn.utils.rnn.pad_sequence(per_rollout, batch_first=True)  # [b, r, v]
+
+
+def request_sampler(requests: pd.DataFrame, per_step: int, seed: int) -> Callable[[int], pd.DataFrame]:
+    rows_of = epoch_sampler(len(requests), per_step, seed)
+    return lambda index: requests.iloc[rows_of(index)]
+
+
+@dataclass(frozen=True)
+class RLBatch:
+    grpo: GRPOBatch
+    rollouts: Rollouts
+    temperature: float
+
+
+def grpo_batches(
+    tokenizer: PreTrainedTokenizerBase, requests: pd.DataFrame, config: RolloutConfig
+) -> Callable:
+    """``make_batch``: G rollouts per request, rewards, group-normalised advantages (DAPO)."""
+    take = request_sampler(requests, config.prompts_per_step, config.seed)
+
+    def make_batch(index: int, model: PreTrainedModel) -> RLBatch:
+        rollouts = sample_rollouts(
+            model, tokenizer, take(index), config, seed=config.seed * 1_000_003 + index
+        )
+        batch = rollouts.token_batch(tokenizer.pad_token_id)
+        old = torch.nn.utils.rnn.pad_sequence(
+            [torch.tensor(o.token_logprobs, dtype=torch.float32) for o in rollouts.outputs], batch_first=True
+        )
+        return RLBatch(
+            make_grpo_batch(None, old, rollouts.rewards, batch.response_mask), rollouts, config.temperature
+        )
+
+    return make_batch
+
+
+def grpo_loss(pad_id: int, clip_low: float, clip_high: float) -> Callable:
+    """Token-level clipped policy loss; the ratio's new log-probs come from the policy's own view."""
+
+    def loss_fn(model: PreTrainedModel, batch: RLBatch) -> tuple[torch.Tensor, dict[str, float]]:
+        logits = rollout_logits(model, batch.rollouts, pad_id).float() / batch.temperature
+        new = token_logprobs(logits, batch.rollouts.token_batch(pad_id).response_ids)
+        g = batch.grpo
+        loss, metrics = policy_loss(new, g.old_logprobs, g.advantages, g.mask, clip_low, clip_high, g.keep)
+        return loss, {
+            **metrics,
+            **rollout_metrics(batch.rollouts),
+            "kept_groups": float(g.keep.float().mean()),
+        }
+
+    return loss_fn
+
+
+def rollout_metrics(rollouts: Rollouts) -> dict[str, float]:
+    nfe = sum(o.nfe for o in rollouts.outputs)
+    tokens = sum(len(o.tokens) for o in rollouts.outputs)
+    return {
+        "reward_mean": float(rollouts.rewards.mean()),
+        "reward_std": float(rollouts.rewards.std(dim=1).mean()),
+        "valid_rate": float(rollouts.valid.float().mean()),
+        "tokens_per_forward": tokens / max(nfe, 1),
+        "output_tokens": tokens / len(rollouts.outputs),
+    }
+
+
+@dataclass(frozen=True)
+class OPDBatch:
+    rollouts: Rollouts
+    teacher_logits: torch.Tensor  # [b, r, v], computed once per rollout and cached here
+    mask: torch.Tensor  # [b, r]
+
+
+def opd_batches(
+    teacher: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    requests: pd.DataFrame,
+    config: RolloutConfig,
+) -> Callable:
+    """``make_batch``: student rollouts scored once by the frozen AR teacher (one causal forward)."""
+    take = request_sampler(requests, config.prompts_per_step, config.seed)
+    pad_id = tokenizer.pad_token_id
+
+    def make_batch(index: int, student: PreTrainedModel) -> OPDBatch:
+        rollouts = sample_rollouts(
+            student, tokenizer, take(index), config, seed=config.seed * 1_000_003 + index
+        )
+        batch = rollouts.token_batch(pad_id)
+        with torch.no_grad():
+            teacher_logits = response_logits(
+                teacher, batch.prompt_ids, batch.response_ids, 1, None, batch.prompt_mask, batch.response_mask
+            )
+        return OPDBatch(rollouts, teacher_logits, batch.response_mask)
+
+    return make_batch
+
+
+def opd_loss(pad_id: int) -> Callable:
+    """Forward KL(teacher ‖ student) per committed token, the student's view rebuilt by replay."""
+
+    def loss_fn(student: PreTrainedModel, batch: OPDBatch) -> tuple[torch.Tensor, dict[str, float]]:
+        student_logits = rollout_logits(student, batch.rollouts, pad_id)
+        loss, metrics = forward_kl(batch.teacher_logits, student_logits, batch.mask)
+        return loss, {**metrics, **rollout_metrics(batch.rollouts)}
+
+    return loss_fn

@@ -1,0 +1,147 @@
+"""The stage losses on a synthetic re-ranking task: SFT, CFT, RL (AR and diffusion) and OPD."""
+
+from __future__ import annotations
+
+import copy
+
+import pandas as pd
+import pytest
+import torch
+
+from diffusion_gr2.core.model.factory import ModelSpec, build_model
+from diffusion_gr2.core.text.examples import encode_requests, encode_sft
+from diffusion_gr2.core.text.prompt import ItemLookup, PromptConfig
+from diffusion_gr2.core.text.tokenizer import build_tokenizer
+from diffusion_gr2.core.text.traces import (
+    RuleBasedAnalyst,
+    build_sft_rows,
+    corpus_texts,
+    examples_from_frame,
+    rejection_sample,
+)
+from diffusion_gr2.core.train.loop import TrainConfig, train
+from diffusion_gr2.core.train.stages import (
+    RolloutConfig,
+    SupervisedConfig,
+    example_batches,
+    grpo_batches,
+    grpo_loss,
+    opd_batches,
+    opd_loss,
+    rollout_logits,
+    sample_rollouts,
+    supervised_loss,
+)
+from tests.core.text.synthetic import make_candidates, make_items, make_sids, sid_tokens
+
+PROMPT = PromptConfig(history_in_prompt=4, title_words=2, max_categories=1)
+
+
+@pytest.fixture(scope="module")
+def task() -> dict:
+    items, sids = make_items(60, seed=0), make_sids(60, seed=0)
+    candidates = make_candidates(items, n_users=24, seed=0, history_len=6, n_candidates=4)
+    lookup = ItemLookup.from_frames(items, sids, PROMPT)
+    rows, _ = rejection_sample(
+        RuleBasedAnalyst(lookup, prompt_config=PROMPT), examples_from_frame(candidates), 8, 0
+    )
+    sft_rows = build_sft_rows(rows, lookup, PROMPT)
+    tok = build_tokenizer(corpus_texts(sft_rows), sid_tokens(), vocab_size=400)
+    return {
+        "tokenizer": tok,
+        "sft": encode_sft(sft_rows, tok),
+        "requests": encode_requests(candidates, lookup, tok, PROMPT),
+    }
+
+
+def small_model(tok, block_size: int = 1) -> torch.nn.Module:
+    spec = ModelSpec(
+        hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16, intermediate_size=64
+    )
+    model = build_model(spec, tok)
+    if block_size > 1:
+        model.config.block_size = block_size
+        model.config.mask_token_id = tok.mask_token_id
+    return model
+
+
+def run(model, make_batch, loss_fn, tmp_path, steps: int = 2, lr: float = 1e-3):
+    config = TrainConfig(output_dir=str(tmp_path), max_steps=steps, lr=lr, checkpoint_every=0, progress=False)
+    return train(model, make_batch, loss_fn, config)
+
+
+@pytest.mark.parametrize("block_size", [1, 4])
+def test_supervised_loss_decreases(task: dict, tmp_path, block_size: int) -> None:
+    tok = task["tokenizer"]
+    model = small_model(tok, block_size)
+    config = SupervisedConfig(batch_size=4, block_size=block_size)
+    make_batch = example_batches(task["sft"], tok.pad_token_id, config)
+    loss_fn = supervised_loss(config, tok.mask_token_id)
+    before = loss_fn(model, make_batch(0, model))[0].item()
+    run(model, make_batch, loss_fn, tmp_path, steps=15, lr=3e-3)
+    after = loss_fn(model, make_batch(0, model))[0].item()
+    assert after < before - 0.3
+
+
+def test_cft_with_block_size_one_is_sft(task: dict) -> None:
+    tok = task["tokenizer"]
+    model = small_model(tok)
+    sft = SupervisedConfig(batch_size=4, block_size=1)
+    batch = example_batches(task["sft"], tok.pad_token_id, sft)(0, model)
+    loss_sft = supervised_loss(sft)(model, batch)[0]
+    loss_b1 = supervised_loss(SupervisedConfig(batch_size=4, block_size=1), tok.mask_token_id)(model, batch)[
+        0
+    ]
+    assert torch.allclose(loss_sft, loss_b1)
+
+
+@pytest.mark.parametrize("block_size", [1, 4])
+def test_rollouts_are_scored_and_replayed(task: dict, block_size: int) -> None:
+    tok = task["tokenizer"]
+    model = small_model(tok, block_size)
+    config = RolloutConfig(group_size=2, max_new_tokens=24, threshold=0.5)
+    rollouts = sample_rollouts(model, tok, task["requests"].head(2), config, seed=0)
+    assert rollouts.rewards.shape == (2, 2)
+    # An untrained model writes no valid JSON ranking: every reward is the invalid-output -1.
+    assert torch.all(rollouts.rewards == -1) and not rollouts.valid.any()
+    logits = rollout_logits(model, rollouts, tok.pad_token_id) / config.temperature
+    for row, out in enumerate(rollouts.outputs):
+        replayed = torch.log_softmax(logits[row, : len(out.tokens)].float(), -1)
+        taken = replayed.gather(-1, torch.tensor(out.tokens)[:, None]).squeeze(-1)
+        assert torch.allclose(taken, torch.tensor(out.token_logprobs), atol=1e-4)
+
+
+def test_grpo_step_runs_and_drops_zero_variance_groups(task: dict, tmp_path) -> None:
+    tok = task["tokenizer"]
+    model = small_model(tok, 4)
+    config = RolloutConfig(prompts_per_step=2, group_size=2, max_new_tokens=16)
+    make_batch = grpo_batches(tok, task["requests"], config)
+    batch = make_batch(0, model)
+    _, metrics = grpo_loss(tok.pad_token_id, 0.2, 0.28)(model, batch)
+    assert metrics["kept_groups"] == 0.0  # all rollouts invalid (-1): no reward variance, no signal
+    before = copy.deepcopy(model.state_dict())
+    run(model, make_batch, grpo_loss(tok.pad_token_id, 0.2, 0.28), tmp_path, steps=1)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_opd_loss_zero_for_identical_ar_models_and_positive_otherwise(task: dict) -> None:
+    tok = task["tokenizer"]
+    teacher = small_model(tok)
+    config = RolloutConfig(prompts_per_step=2, group_size=2, max_new_tokens=16)
+    same = opd_batches(teacher, tok, task["requests"], config)
+    loss_same, _ = opd_loss(tok.pad_token_id)(copy.deepcopy(teacher), same(0, teacher))
+    assert loss_same.item() == pytest.approx(0.0, abs=1e-5)
+    student = small_model(tok, 4)
+    with torch.no_grad():
+        for p in student.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    loss_diff, _ = opd_loss(tok.pad_token_id)(
+        student, opd_batches(teacher, tok, task["requests"], config)(0, student)
+    )
+    assert loss_diff.item() > 1e-3
+
+
+def test_encoded_frames(task: dict) -> None:
+    assert isinstance(task["requests"], pd.DataFrame)
+    assert all(len(s) == 4 for s in task["requests"]["candidate_sids"])
+    assert (task["sft"]["response_ids"].map(len) == task["sft"]["response_roles"].map(len)).all()
