@@ -11,6 +11,7 @@ token for block 0) -- at inference that is the committed previous block's last l
 
 from __future__ import annotations
 
+import copy
 import logging
 from pathlib import Path
 
@@ -137,27 +138,36 @@ def response_logits(
     return lm_logits(model, picked)
 
 
+def as_block_diffusion(model: PreTrainedModel, block_size: int, mask_token_id: int | None) -> PreTrainedModel:
+    """A copy of an AR model as a block-diffusion model (DESIGN §5); nothing is trained.
+
+    The weights are copied unchanged (checked key by key), and the block size and mask token id go
+    into the config (`config.block_size`, `config.mask_token_id`), which the decoder and the stages
+    read. Block size 1 is exactly the AR model.
+    """
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    vocab = model.get_input_embeddings().num_embeddings
+    if mask_token_id is None or not 0 <= mask_token_id < vocab:
+        raise ValueError(f"mask token id {mask_token_id} is not in the model's vocabulary of {vocab}")
+    converted = copy.deepcopy(model)
+    before, after = model.state_dict(), converted.state_dict()
+    if before.keys() != after.keys() or any(not torch.equal(before[k], after[k]) for k in before):
+        raise ValueError("conversion must copy every weight unchanged")
+    converted.config.block_size = block_size
+    converted.config.mask_token_id = mask_token_id
+    logger.info("converted to block diffusion (B=%d, mask id %d)", block_size, mask_token_id)
+    return converted
+
+
 def convert_to_block_diffusion(
     ar_model_dir: str | Path, out_dir: str | Path, block_size: int, tokenizer: PreTrainedTokenizerBase
 ) -> Path:
-    """Copy an AR model unchanged into a block-diffusion model dir (DESIGN §5); nothing is trained.
-
-    The block size and mask token id go into the saved config (`config.block_size`,
-    `config.mask_token_id`); the mask token must already be in the vocabulary.
-    """
+    """`as_block_diffusion` from and to model directories; loading must report no missing key."""
     model, info = AutoModelForCausalLM.from_pretrained(
         ar_model_dir, local_files_only=True, output_loading_info=True
     )
     bad = {k: v for k, v in info.items() if k in ("missing_keys", "unexpected_keys", "mismatched_keys") and v}
     if bad:
         raise ValueError(f"conversion must copy weights exactly; loading {ar_model_dir} reported {bad}")
-    mask_id = tokenizer.mask_token_id
-    vocab = model.get_input_embeddings().num_embeddings
-    if mask_id is None or not 0 <= mask_id < vocab:
-        raise ValueError(f"mask token id {mask_id} is not in the model's vocabulary of {vocab}")
-    if block_size < 1:
-        raise ValueError(f"block_size must be >= 1, got {block_size}")
-    model.config.block_size = block_size
-    model.config.mask_token_id = mask_id
-    logger.info("converted %s to block diffusion (B=%d, mask id %d)", ar_model_dir, block_size, mask_id)
-    return save_model(model, tokenizer, out_dir)
+    return save_model(as_block_diffusion(model, block_size, tokenizer.mask_token_id), tokenizer, out_dir)

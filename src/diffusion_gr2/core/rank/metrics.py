@@ -139,10 +139,14 @@ def system_metrics(
 
 
 def stage_metrics_rows(rankings: pd.DataFrame, n_boot: int = 1000, seed: int = 0) -> list[dict[str, Any]]:
-    """One ``stage_metrics.json`` row per (system, tau) of a rankings frame (DESIGN §10), in frame order."""
+    """One ``stage_metrics.json`` row per (system, tau) of a rankings frame (DESIGN §10), in frame order.
+
+    AR systems have no threshold: their tau is NaN in the frame and ``None`` (JSON null) in the rows.
+    """
     rows = []
-    for (system, tau), group in rankings.groupby(["system", "tau"], sort=False):
-        rows.append({"system": system, "tau": float(tau), **system_metrics(group, n_boot, seed)})
+    for (system, tau), group in rankings.groupby(["system", "tau"], sort=False, dropna=False):
+        tau_value = None if pd.isna(tau) else float(tau)
+        rows.append({"system": system, "tau": tau_value, **system_metrics(group, n_boot, seed)})
     return rows
 
 

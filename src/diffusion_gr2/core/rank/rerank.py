@@ -12,7 +12,6 @@ JSON) and decode with block size 1 whatever their config says.
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -44,7 +43,9 @@ __all__ = [
     "prerank_rows",
     "prepare_model",
     "ranking_rows",
+    "rankings_summary",
     "rerank",
+    "rerank_system",
     "resolve_device",
     "select_requests",
     "stage_metrics",
@@ -124,9 +125,248 @@ def decode_config_for(
     )
 
 
-def select_requests(requests: pd.DataFrame, split: str = "test", max_users: int | None = None) -> pd.DataFrame:
+def select_requests(
+    requests: pd.DataFrame, split: str = "test", max_users: int | None = None
+) -> pd.DataFrame:
     """Rows of `split`, sorted by user id; the first `max_users` of them when capped (deterministic)."""
     rows = requests[requests["split"] == split].sort_values("user_id", kind="stable")
     if max_users is not None:
         rows = rows.head(int(max_users))
     return rows.reset_index(drop=True)
+
+
+def decode_requests(
+    model: PreTrainedModel, prompts: Sequence[Sequence[int]], config: DecodeConfig, desc: str = "decode"
+) -> list[DecodeOutput]:
+    """`decode` in batches of `config.batch_size`, longest prompts first (less padding), with progress.
+
+    Outputs come back in the order of `prompts`; greedy results do not depend on the batching.
+    """
+    order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
+    outputs: list[DecodeOutput | None] = [None] * len(prompts)
+    with tqdm(total=len(prompts), desc=desc, unit="req", leave=False) as bar:
+        for start in range(0, len(order), config.batch_size):
+            chunk = order[start : start + config.batch_size]
+            for i, out in zip(chunk, decode(model, [list(prompts[i]) for i in chunk], config), strict=True):
+                outputs[i] = out
+            bar.update(len(chunk))
+    return outputs  # type: ignore[return-value]
+
+
+def _tau_value(tau: float | None) -> float:
+    """The frame's tau: NaN for AR systems (no threshold)."""
+    return float("nan") if tau is None else float(tau)
+
+
+def ranking_rows(
+    requests: pd.DataFrame,
+    outputs: Sequence[DecodeOutput],
+    tokenizer: PreTrainedTokenizerBase,
+    system: str,
+    tau: float | None,
+) -> pd.DataFrame:
+    """Parse each output against its request's candidate SIDs; rows in `RANKING_COLUMNS` order.
+
+    A valid answer's SIDs are mapped back to item ids; an invalid one is served the pre-rank order
+    (DESIGN §4) and keeps its parser reason.
+    """
+    if len(requests) != len(outputs):
+        raise ValueError(f"{len(requests)} requests but {len(outputs)} outputs")
+    rows = []
+    for req, out in zip(requests.itertuples(index=False), outputs, strict=True):
+        sids, items = [str(s) for s in req.candidate_sids], [int(i) for i in req.candidates]
+        text = decode_response(tokenizer, out.tokens)
+        parsed = parse_answer(text, sids)
+        item_of = dict(zip(sids, items, strict=True))
+        rows.append(
+            {
+                "system": system,
+                "tau": _tau_value(tau),
+                "user_id": int(req.user_id),
+                "target": int(req.target),
+                "prerank": items,
+                "ranking": [item_of[s] for s in apply_fallback(parsed, sids)],
+                "valid": parsed.valid,
+                "reason": parsed.reason,
+                "output_tokens": len(out.tokens),
+                "nfe": int(out.nfe),
+                "output_text": text,
+            }
+        )
+    return pd.DataFrame(rows, columns=list(RANKING_COLUMNS))
+
+
+def rerank(
+    model: PreTrainedModel,
+    requests: pd.DataFrame,
+    tokenizer: PreTrainedTokenizerBase,
+    config: DecodeConfig,
+    system: str,
+    tau: float | None,
+) -> pd.DataFrame:
+    """Re-rank every request with `model`: one `RANKING_COLUMNS` row per request, in request order."""
+    label = system if tau is None else f"{system} tau={tau}"
+    outputs = decode_requests(model, list(requests["prompt_ids"]), config, desc=label)
+    rows = ranking_rows(requests, outputs, tokenizer, system, tau)
+    logger.info(
+        "%s: %d requests, valid %.1f%%, %.1f output tokens and %.1f forwards per request",
+        label,
+        len(rows),
+        100.0 * rows["valid"].mean() if len(rows) else float("nan"),
+        rows["output_tokens"].mean(),
+        rows["nfe"].mean(),
+    )
+    return rows
+
+
+def rerank_system(
+    model: PreTrainedModel,
+    requests: pd.DataFrame,
+    tokenizer: PreTrainedTokenizerBase,
+    system: str,
+    taus: Sequence[float],
+    config: RerankConfig,
+) -> pd.DataFrame:
+    """All rows of one system: once for an AR system (no tau), once per tau for a diffusion system."""
+    grid: list[float | None] = [None] if system in AR_SYSTEMS else [float(t) for t in taus]
+    frames = [
+        rerank(model, requests, tokenizer, decode_config_for(model, tokenizer, t, config), system, t)
+        for t in grid
+    ]
+    return pd.concat(frames, ignore_index=True)
+
+
+def rankings_summary(rankings: pd.DataFrame) -> dict[str, dict[str, float]]:
+    """Per (system, tau): valid rate, mean output tokens, mean forwards, tokens per forward (for MLflow)."""
+    out = {}
+    for system, tau, rows in _groups(rankings):
+        nfe = int(rows["nfe"].sum())
+        out[system_key(system, tau)] = {
+            "valid_rate": float(rows["valid"].mean()),
+            "mean_output_tokens": float(rows["output_tokens"].mean()),
+            "mean_nfe": float(rows["nfe"].mean()),
+            "tokens_per_forward": float(rows["output_tokens"].sum()) / nfe if nfe else 0.0,
+        }
+    return out
+
+
+def prerank_rows(requests: pd.DataFrame) -> pd.DataFrame:
+    """The `prerank` system: the retriever's order served as is (valid, no tokens, no forwards)."""
+    prerank = [[int(i) for i in c] for c in requests["candidates"]]
+    return pd.DataFrame(
+        {
+            "system": "prerank",
+            "tau": float("nan"),
+            "user_id": requests["user_id"].astype("int64").to_numpy(),
+            "target": requests["target"].astype("int64").to_numpy(),
+            "prerank": prerank,
+            "ranking": [list(p) for p in prerank],
+            "valid": True,
+            "reason": OK,
+            "output_tokens": 0,
+            "nfe": 0,
+            "output_text": "",
+        },
+        columns=list(RANKING_COLUMNS),
+    )
+
+
+# ---- evaluation of rankings ------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class EvaluationConfig:
+    """Bootstrap settings and the comparisons of the evaluation stage."""
+
+    n_boot: int = 1000  # bootstrap resamples of users (CI and paired tests)
+    seed: int = 0  # resampling seed
+    baselines: tuple[str, ...] = ("ar_rl", "prerank")  # every system is compared with each of these
+    compare_metrics: tuple[str, ...] = ("recall@1", "ndcg@3")  # per-user metrics compared
+
+
+def stage_metrics(rankings: pd.DataFrame, n_boot: int = 1000, seed: int = 0) -> list[dict[str, Any]]:
+    """`stage_metrics.json` rows (DESIGN §10) per (system, tau) of `rankings`, tau None for AR systems."""
+    return stage_metrics_rows(rankings.assign(tau=rankings["tau"].astype("float64")), n_boot, seed)
+
+
+def system_key(system: str, tau: float | None) -> str:
+    """Name of one (system, tau) in metric names: `cft.tau0.9`, or `ar_rl` without a threshold."""
+    return system if tau is None else f"{system}.tau{float(tau)}"
+
+
+def _groups(rankings: pd.DataFrame) -> list[tuple[str, float | None, pd.DataFrame]]:
+    """(system, tau, rows) per (system, tau) of `rankings`, in frame order; tau None for AR systems."""
+    frame = rankings.assign(tau=rankings["tau"].astype("float64"))
+    groups = frame.groupby(["system", "tau"], sort=False, dropna=False)
+    return [(str(s), None if pd.isna(t) else float(t), g) for (s, t), g in groups]
+
+
+def _aligned_values(a: pd.DataFrame, b: pd.DataFrame, metric: str) -> tuple[Any, Any]:
+    """Per-user values of `metric` for the users both frames rank, in the same user order ([u] each)."""
+    users = sorted(set(a["user_id"]) & set(b["user_id"]))
+    a_rows = a.set_index("user_id").loc[users].reset_index()
+    b_rows = b.set_index("user_id").loc[users].reset_index()
+    return user_values(a_rows)[metric], user_values(b_rows)[metric]
+
+
+def _paired_rows(a: pd.DataFrame, b: pd.DataFrame, config: EvaluationConfig) -> list[dict[str, Any]]:
+    """One paired bootstrap (a - b) per compared metric, on the users both frames rank."""
+    out = []
+    for metric in config.compare_metrics:
+        a_vals, b_vals = _aligned_values(a, b, metric)
+        if len(a_vals):
+            test = paired_bootstrap(a_vals, b_vals, config.n_boot, config.seed)
+            out.append({"metric": metric, "n": len(a_vals), **test._asdict()})
+    return out
+
+
+def compare_systems(rankings: pd.DataFrame, config: EvaluationConfig) -> list[dict[str, Any]]:
+    """Paired bootstrap of every (system, tau) against each baseline present, on the shared users.
+
+    Rows: `system, tau, baseline, baseline_tau, metric, n, mean_diff, low, high, p_value`, where
+    `mean_diff` = system - baseline. Pairing by user cancels the per-user difficulty both share.
+    """
+    groups = _groups(rankings)
+    rows: list[dict[str, Any]] = []
+    for base in config.baselines:
+        for _, b_tau, b_rows in (g for g in groups if g[0] == base):
+            for system, tau, a_rows in (g for g in groups if g[0] != base):
+                head = {"system": system, "tau": tau, "baseline": base, "baseline_tau": b_tau}
+                rows += [head | r for r in _paired_rows(a_rows, b_rows, config)]
+    return rows
+
+
+def eval_metrics(
+    stage_rows: Sequence[Mapping[str, Any]], comparisons: Sequence[Mapping[str, Any]] = ()
+) -> dict[str, Any]:
+    """Nested numbers for MLflow: `{"cft.tau0.9": {"recall@1": ...}, "cmp": {"cft.tau0.9": {"vs_ar_rl": ...}}}`.
+
+    Intervals are left out (they are in `stage_metrics.json`); a comparison logs its mean difference.
+    """
+    out: dict[str, Any] = {
+        system_key(row["system"], row["tau"]): {k: row[k] for k in ("n", *METRICS)} for row in stage_rows
+    }
+    cmp: dict[str, dict[str, dict[str, float]]] = {}
+    for c in comparisons:
+        per_base = cmp.setdefault(system_key(c["system"], c["tau"]), {})
+        per_base.setdefault(f"vs_{system_key(c['baseline'], c['baseline_tau'])}", {})[c["metric"]] = c[
+            "mean_diff"
+        ]
+    return out | ({"cmp": cmp} if cmp else {})
+
+
+def _cell(row: Mapping[str, Any], metric: str) -> str:
+    """`0.296 [0.27, 0.32]`: a metric with its 95% interval."""
+    low, high = row["ci"][metric]
+    return f"{row[metric]:.4f} [{low:.3f}, {high:.3f}]"
+
+
+def metrics_markdown(stage_rows: Sequence[Mapping[str, Any]]) -> str:
+    """A readable markdown table of `stage_metrics.json` rows (95% bootstrap intervals in brackets)."""
+    head = ["system", "tau", "n", *METRICS]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for row in stage_rows:
+        tau = "—" if row["tau"] is None else f"{row['tau']:g}"
+        cells = [str(row["system"]), tau, str(row["n"]), *(_cell(row, m) for m in METRICS)]
+        lines.append("| " + " | ".join(cells) + " |")
+    note = "\nMetrics with 95% bootstrap intervals over users; tau — = autoregressive (no threshold).\n"
+    return "# Stage metrics\n\n" + "\n".join(lines) + "\n" + note

@@ -31,7 +31,7 @@ COLUMNS = ("user_id", "split", "history", "target", "candidates", "target_positi
 @dataclass(frozen=True)
 class CandidateConfig:
     n: int = 10  # candidates per list (the papers use 10)
-    mode: Literal["retrieved", "sampled"] = "retrieved"  # top-N of the retriever, or target + random negatives
+    mode: Literal["retrieved", "sampled"] = "retrieved"  # retriever top-N, or target + negatives
     train_prefixes: int = 3  # training rows per user: the last prefixes of the training part
     history_cap: int = 20  # most recent history items kept in the `history` column
     seed: int = 0  # fixes the sampled negatives and their shuffle
@@ -66,14 +66,18 @@ def candidate_requests(splits: pd.DataFrame, train_prefixes: int) -> pd.DataFram
 def retrieved_lists(histories: Sequence[list[int]], score_fn: ScoreFn, n: int, chunk: int) -> np.ndarray:
     """[rows, n] top-N item ids per history in retriever order, history masked (again, defensively)."""
     out = np.empty((len(histories), n), dtype=np.int64)
-    for start in tqdm(range(0, len(histories), chunk), desc="retrieve", leave=False, disable=len(histories) <= chunk):
+    for start in tqdm(
+        range(0, len(histories), chunk), desc="retrieve", leave=False, disable=len(histories) <= chunk
+    ):
         part = histories[start : start + chunk]
         scores = mask_history(np.array(score_fn(part), dtype=np.float32), part)  # [rows, i]
         out[start : start + len(part)] = top_n(scores, n)
     return out
 
 
-def sampled_list(history: list[int], target: int, n: int, num_items: int, rng: np.random.Generator) -> list[int]:
+def sampled_list(
+    history: list[int], target: int, n: int, num_items: int, rng: np.random.Generator
+) -> list[int]:
     """Target + n-1 distinct random items outside the history, shuffled (rejection sampling)."""
     excluded = {*history, target}
     if num_items - len(excluded) < n - 1:
@@ -96,7 +100,11 @@ def _positions(lists: np.ndarray, targets: np.ndarray) -> np.ndarray:
 
 
 def _lists_for_split(
-    requests: pd.DataFrame, split_index: int, score_fn: ScoreFn | None, config: CandidateConfig, num_items: int
+    requests: pd.DataFrame,
+    split_index: int,
+    score_fn: ScoreFn | None,
+    config: CandidateConfig,
+    num_items: int,
 ) -> np.ndarray:
     """[rows, n] candidate lists for the requests of one split."""
     histories = requests["history"].tolist()
@@ -133,7 +141,9 @@ def build_candidates(
             {
                 "user_id": req["user_id"].to_numpy(dtype=np.int64),
                 "split": split,
-                "history": [list(h[-config.history_cap :]) if config.history_cap > 0 else [] for h in req["history"]],
+                "history": [
+                    list(h[-config.history_cap :]) if config.history_cap > 0 else [] for h in req["history"]
+                ],
                 "target": req["target"].to_numpy(dtype=np.int64),
                 "candidates": [row.tolist() for row in lists],
                 "target_position": positions.astype(np.int64),
@@ -142,7 +152,13 @@ def build_candidates(
         kept = part[part["target_position"] > 0]
         users_kept[split] = kept["user_id"].nunique() / max(part["user_id"].nunique(), 1)
         parts.append(kept)
-        logger.info("candidates %s (%s): kept %d of %d rows, %.1f%% of users", split, config.mode,
-                    len(kept), len(part), 100 * users_kept[split])
+        logger.info(
+            "candidates %s (%s): kept %d of %d rows, %.1f%% of users",
+            split,
+            config.mode,
+            len(kept),
+            len(part),
+            100 * users_kept[split],
+        )
     frame = pd.concat(parts, ignore_index=True)[list(COLUMNS)]
     return CandidateSet(frame, users_kept)

@@ -14,14 +14,14 @@ import pandas as pd
 ScoreFn = Callable[[Sequence[Sequence[int]]], np.ndarray]  # histories -> [u, i] scores, history at -inf
 
 
-def train_histories(splits: pd.DataFrame) -> list[list[int]]:
+def histories_before_valid(splits: pd.DataFrame) -> list[list[int]]:
     """Per user, the training part (chronological): the history that predicts the validation item."""
     return [[int(x) for x in items] for items in splits["train_items"]]
 
 
-def test_histories(splits: pd.DataFrame) -> list[list[int]]:
+def histories_before_test(splits: pd.DataFrame) -> list[list[int]]:
     """Per user, train part + validation item: the history that predicts the test item."""
-    return [h + [int(v)] for h, v in zip(train_histories(splits), splits["valid_item"], strict=True)]
+    return [h + [int(v)] for h, v in zip(histories_before_valid(splits), splits["valid_item"], strict=True)]
 
 
 def mask_history(scores: np.ndarray, histories: Sequence[Sequence[int]]) -> np.ndarray:
@@ -85,4 +85,4 @@ def evaluate_scorer(
 
 def evaluate_test(score_fn: ScoreFn, splits: pd.DataFrame, k: int = 10) -> dict[str, float]:
     """Metrics on the test item with history = train + validation (leave-one-out protocol)."""
-    return evaluate_scorer(score_fn, test_histories(splits), splits["test_item"].to_numpy(), k)
+    return evaluate_scorer(score_fn, histories_before_test(splits), splits["test_item"].to_numpy(), k)

@@ -74,7 +74,9 @@ def candidates_schema(n: int, num_items: int, require_target: bool = True) -> pa
     )
 
 
-def validate_candidates(frame: pd.DataFrame, n: int, num_items: int, require_target: bool = True) -> pd.DataFrame:
+def validate_candidates(
+    frame: pd.DataFrame, n: int, num_items: int, require_target: bool = True
+) -> pd.DataFrame:
     """Validate with `candidates_schema`; raises `SchemaValidationError` naming columns, checks and rows."""
     return validate(frame, candidates_schema(n, num_items, require_target), "candidates")
 
@@ -137,5 +139,8 @@ def check_candidates(
 ) -> ExpectationReport:
     """Run `candidate_suite` through the shared GX runner; saves `<suite_name>.json` under report_dir."""
     return run_expectations(
-        candidate_check_frame(frame, num_items), suite_name, candidate_suite(n, num_items, require_target), report_dir
+        candidate_check_frame(frame, num_items),
+        suite_name,
+        candidate_suite(n, num_items, require_target),
+        report_dir,
     )

@@ -118,7 +118,10 @@ def embed_minilm(texts: Sequence[str], batch_size: int = 64) -> Embeddings:
     sha = _sha256(weights)
     model = load_model(device="cpu")
     vectors = model.encode(
-        list(texts), batch_size=batch_size, show_progress_bar=len(texts) > 4 * batch_size, convert_to_numpy=True
+        list(texts),
+        batch_size=batch_size,
+        show_progress_bar=len(texts) > 4 * batch_size,
+        convert_to_numpy=True,
     )
     logger.info("Embedded %d items with %s (weights sha256 %s)", len(texts), MINILM_NAME, sha[:12])
     return Embeddings(_l2_normalise(np.asarray(vectors)), MINILM_NAME, sha)

@@ -141,7 +141,9 @@ class RQVAE(nn.Module):
 
 def _train(model: RQVAE, x: torch.Tensor, config: RQVAEConfig) -> float:
     """Fit encoder/decoder by Adam and codebooks by EMA on x: [I, d]; returns the last epoch's mean loss."""
-    optimiser = torch.optim.Adam(list(model.encoder.parameters()) + list(model.decoder.parameters()), lr=config.lr)
+    optimiser = torch.optim.Adam(
+        list(model.encoder.parameters()) + list(model.decoder.parameters()), lr=config.lr
+    )
     model.train()
     epoch_loss = float("nan")
     bar = tqdm(range(config.epochs), desc="rq-vae", leave=False, mininterval=1.0)
@@ -224,7 +226,11 @@ def sid_string(codes_row: Sequence[int]) -> str:
 
 def sid_token_list(codebook_sizes: Sequence[int]) -> list[str]:
     """Every single SID token, level by level ("<a_0>", ..., "<d_{n-1}>"), to extend the tokenizer."""
-    return [f"<{LEVEL_LETTERS[level]}_{code}>" for level, size in enumerate(codebook_sizes) for code in range(size)]
+    return [
+        f"<{LEVEL_LETTERS[level]}_{code}>"
+        for level, size in enumerate(codebook_sizes)
+        for code in range(size)
+    ]
 
 
 def sids_frame(codes: np.ndarray) -> pd.DataFrame:

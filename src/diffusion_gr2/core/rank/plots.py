@@ -1,0 +1,89 @@
+"""Report figures: accuracy with intervals, valid-output rate, speed-up by output length.
+
+Figures are built as `matplotlib.figure.Figure` objects, never through `pyplot`: no global figure
+state, no GUI backend (saving a PNG renders with Agg), so they are safe inside a Kedro run or a test.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from matplotlib.figure import Figure
+
+__all__ = ["metric_figure", "speedup_figure", "valid_rate_figure"]
+
+_COLORS = {  # one colour per system, stable across figures
+    "prerank": "#7f7f7f",
+    "ar_sft": "#9467bd",
+    "ar_rl": "#d62728",
+    "naive": "#8c564b",
+    "cft": "#1f77b4",
+    "opd": "#2ca02c",
+    "rl": "#ff7f0e",
+}
+
+
+def _label(row: Mapping[str, Any]) -> str:
+    """`cft\\nτ=0.9`, or the bare system name when it has no threshold."""
+    return str(row["system"]) if row.get("tau") is None else f"{row['system']}\nτ={row['tau']:g}"
+
+
+def _color(system: str) -> str:
+    return _COLORS.get(system, "#17becf")
+
+
+def metric_figure(stage_rows: Sequence[Mapping[str, Any]], metric: str = "recall@1") -> Figure:
+    """One point per (system, tau) with its 95% bootstrap interval; the pre-rank as a dashed floor."""
+    fig = Figure(figsize=(max(6.0, 0.7 * len(stage_rows) + 2.0), 4.0), layout="constrained")
+    ax = fig.add_subplot()
+    for x, row in enumerate(stage_rows):
+        low, high = row["ci"][metric]
+        err = [[row[metric] - low], [high - row[metric]]]
+        ax.errorbar(x, row[metric], yerr=err, fmt="o", capsize=4, color=_color(str(row["system"])))
+    floor = [r[metric] for r in stage_rows if r["system"] == "prerank"]
+    if floor:
+        ax.axhline(floor[0], ls="--", lw=1, color=_color("prerank"), label="pre-rank")
+        ax.legend(loc="lower right")
+    ax.set_xticks(range(len(stage_rows)), [_label(r) for r in stage_rows], fontsize=8)
+    ax.set_ylabel(f"{metric} (95% CI)")
+    ax.set_title(f"{metric} per system and threshold")
+    ax.grid(axis="y", alpha=0.3)
+    return fig
+
+
+def valid_rate_figure(stage_rows: Sequence[Mapping[str, Any]]) -> Figure:
+    """Share of outputs that parse into a valid ranking, per (system, tau)."""
+    fig = Figure(figsize=(max(6.0, 0.7 * len(stage_rows) + 2.0), 4.0), layout="constrained")
+    ax = fig.add_subplot()
+    xs = range(len(stage_rows))
+    ax.bar(xs, [r["valid_rate"] for r in stage_rows], color=[_color(str(r["system"])) for r in stage_rows])
+    ax.set_xticks(xs, [_label(r) for r in stage_rows], fontsize=8)
+    ax.set_ylim(0.0, 1.05)
+    ax.set_ylabel("valid-output rate")
+    ax.set_title("Valid rankings per system and threshold (invalid -> pre-rank fallback)")
+    ax.grid(axis="y", alpha=0.3)
+    return fig
+
+
+def speedup_figure(length_rows: Sequence[Mapping[str, Any]], reference: str = "ar_rl") -> Figure:
+    """Speed-up over the AR reference against output length, one line per (system, tau)."""
+    fig = Figure(figsize=(6.5, 4.0), layout="constrained")
+    ax = fig.add_subplot()
+    series: dict[tuple[str, Any], list[tuple[float, float]]] = {}
+    for row in length_rows:
+        if row["system"] != reference and row.get("speedup") is not None:
+            series.setdefault((row["system"], row["tau"]), []).append(
+                (row["mean_output_tokens"], row["speedup"])
+            )
+    for (system, tau), points in series.items():
+        points.sort()
+        label = system if tau is None else f"{system} τ={tau:g}"
+        ax.plot(*zip(*points, strict=True), marker="o", label=label, color=_color(system))
+    ax.axhline(1.0, ls="--", lw=1, color=_color(reference), label=reference)
+    ax.set_xlabel("output tokens (bucket mean)")
+    ax.set_ylabel(f"speed-up vs {reference} (output tokens/s)")
+    ax.set_title("Speed-up by output length (batch 1)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return fig

@@ -1,0 +1,36 @@
+"""benchmark: decode speed of `ar_rl` against the diffusion systems, same machine, one run."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kedro.pipeline import Node, Pipeline
+
+from .nodes import benchmark_decoding
+
+# The AR reference and the diffusion systems whose speed the paper reports (naive is not worth timing).
+BENCHMARK_SYSTEMS = ("ar_rl", "cft", "opd", "rl")
+
+
+def create_pipeline(systems: Sequence[str] = BENCHMARK_SYSTEMS, **kwargs) -> Pipeline:
+    models = {system: f"model_{system}" for system in systems}
+    return Pipeline(
+        [
+            Node(
+                benchmark_decoding,
+                inputs={
+                    "requests": "requests",
+                    "tokenizer": "tokenizer",
+                    "params": "params:benchmark",
+                    **models,
+                },
+                outputs={
+                    "benchmark": "benchmark",
+                    "speedup_by_length": "speedup_by_length",
+                    "benchmark_metrics": "benchmark_metrics",
+                    "speedup_plot": "benchmark_plot_speedup",
+                },
+                name="benchmark_decoding",
+            )
+        ]
+    )

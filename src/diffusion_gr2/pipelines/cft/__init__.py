@@ -1,0 +1,5 @@
+"""cft pipeline."""
+
+from .pipeline import create_pipeline
+
+__all__ = ["create_pipeline"]

@@ -1,0 +1,16 @@
+"""conversion node: the AR teacher's weights, unchanged, as a block-diffusion model (DESIGN §5)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from transformers import PreTrainedModel, PreTrainedTokenizerFast
+
+from diffusion_gr2.core.model.diffusion import as_block_diffusion
+
+
+def convert_teacher(
+    model_ar_rl: PreTrainedModel, tokenizer: PreTrainedTokenizerFast, params: dict[str, Any]
+) -> PreTrainedModel:
+    """Copy the weights, record block size and mask token; nothing is trained (the `naive` system)."""
+    return as_block_diffusion(model_ar_rl, params["block_size"], tokenizer.mask_token_id)

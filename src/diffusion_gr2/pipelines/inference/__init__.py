@@ -1,0 +1,5 @@
+"""inference pipeline."""
+
+from .pipeline import SYSTEMS, create_pipeline
+
+__all__ = ["SYSTEMS", "create_pipeline"]

@@ -1,0 +1,5 @@
+"""opd pipeline."""
+
+from .pipeline import create_pipeline
+
+__all__ = ["create_pipeline"]

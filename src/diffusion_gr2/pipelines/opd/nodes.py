@@ -1,0 +1,28 @@
+"""opd node: on-policy distillation from the frozen AR teacher (DESIGN §6)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pandas as pd
+from transformers import PreTrainedModel, PreTrainedTokenizerFast
+
+from diffusion_gr2.core.train.stages import RolloutConfig, opd_batches, opd_loss
+from diffusion_gr2.pipelines.training import train_stage
+
+
+def train_opd(
+    model_cft: PreTrainedModel,
+    model_ar_rl: PreTrainedModel,
+    requests: pd.DataFrame,
+    tokenizer: PreTrainedTokenizerFast,
+    params: dict[str, Any],
+) -> tuple[PreTrainedModel, dict[str, Any]]:
+    """Student rollouts from its real decoder, teacher logits once per rollout, forward KL by replay."""
+    train_requests = requests[requests["split"] == "train"].reset_index(drop=True)
+    model_ar_rl.eval().requires_grad_(False)
+    make_batch = opd_batches(model_ar_rl, tokenizer, train_requests, RolloutConfig(**params["rollout"]))
+    summary = train_stage(
+        "opd", model_cft, make_batch, opd_loss(tokenizer.pad_token_id), params, train_requests
+    )
+    return model_cft, summary

@@ -1,0 +1,25 @@
+"""teacher: tokenizer → AR model → SFT (ar_sft) → DAPO RL (ar_rl, the frozen teacher)."""
+
+from kedro.pipeline import Node, Pipeline
+
+from .nodes import build_ar_model, train_policy_rl, train_sft
+
+
+def create_pipeline(**kwargs) -> Pipeline:
+    return Pipeline(
+        [
+            Node(build_ar_model, ["tokenizer", "params:teacher_sft"], "model_ar_init", name="build_ar_model"),
+            Node(
+                train_sft,
+                ["model_ar_init", "sft_examples", "tokenizer", "params:teacher_sft"],
+                ["model_ar_sft", "ar_sft_summary"],
+                name="train_ar_sft",
+            ),
+            Node(
+                train_policy_rl,
+                ["model_ar_sft", "requests", "tokenizer", "params:teacher_rl"],
+                ["model_ar_rl", "ar_rl_summary"],
+                name="train_ar_rl",
+            ),
+        ]
+    )

@@ -1,0 +1,265 @@
+"""Re-ranking with the decoder, the rankings contract, and the evaluation computed from it."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerFast
+
+from diffusion_gr2.core.decode.decoder import DecodeOutput
+from diffusion_gr2.core.model.factory import ModelSpec, build_model
+from diffusion_gr2.core.rank.metrics import METRICS
+from diffusion_gr2.core.rank.plots import metric_figure, valid_rate_figure
+from diffusion_gr2.core.rank.rerank import (
+    RANKING_COLUMNS,
+    EvaluationConfig,
+    RerankConfig,
+    compare_systems,
+    decode_config_for,
+    eval_metrics,
+    metrics_markdown,
+    prerank_rows,
+    ranking_rows,
+    rerank,
+    rerank_system,
+    select_requests,
+    stage_metrics,
+)
+from diffusion_gr2.core.text.examples import encode_requests
+from diffusion_gr2.core.text.parser import DUPLICATE_ID, INVALID_JSON, OK
+from diffusion_gr2.core.text.prompt import ItemLookup, PromptConfig, build_messages, render_answer
+from diffusion_gr2.core.text.tokenizer import IM_END, build_tokenizer
+from diffusion_gr2.core.tracking.mlflow_utils import as_metrics_history
+from tests.core.text.synthetic import make_candidates, make_items, make_sids, sid_tokens
+
+STAGE_KEYS = ["system", "tau", "n", *METRICS, "ci"]
+
+
+def make_world(n_users: int = 6, seed: int = 2) -> tuple[PreTrainedTokenizerFast, pd.DataFrame]:
+    """A tokenizer trained on synthetic prompts/answers and the `requests` frame of `n_users` test users."""
+    items, sids = make_items(40, seed=0), make_sids(40, seed=1)
+    cands = make_candidates(items, n_users, seed, history_len=5).assign(split="test")
+    config = PromptConfig()
+    lookup = ItemLookup.from_frames(items, sids, config)
+    texts = []
+    for row in cands.itertuples(index=False):
+        texts += [
+            m["content"] for m in build_messages(list(row.history), list(row.candidates), lookup, config)
+        ]
+        texts.append(
+            render_answer("The user watches dramas, so drama comes first.", lookup.sids(row.candidates))
+        )
+    tokenizer = build_tokenizer(texts, sid_tokens(), vocab_size=400)
+    return tokenizer, encode_requests(cands, lookup, tokenizer, config)
+
+
+def tiny_rank_model(tokenizer: PreTrainedTokenizerFast, block_size: int | None = None) -> PreTrainedModel:
+    """A random one-layer Qwen3 over `tokenizer`; a block-diffusion config when `block_size` is given."""
+    spec = ModelSpec(
+        hidden_size=32,
+        num_layers=1,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=16,
+        intermediate_size=64,
+        tie_embeddings=False,
+    )
+    model = build_model(spec, tokenizer)
+    if block_size is not None:  # what conversion writes into the config
+        model.config.block_size = block_size
+        model.config.mask_token_id = tokenizer.mask_token_id
+    return model
+
+
+@pytest.fixture(scope="module")
+def world() -> Iterator[tuple[PreTrainedTokenizerFast, pd.DataFrame]]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny models: more threads only add contention
+    yield make_world()
+    torch.set_num_threads(threads)
+
+
+def _answer_ids(tokenizer: PreTrainedTokenizerFast, text: str, eos: bool = True) -> list[int]:
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    return ids + ([tokenizer.convert_tokens_to_ids(IM_END)] if eos else [])
+
+
+def test_rerank_ar_rows_are_well_formed_and_invalid_outputs_fall_back(world) -> None:
+    tokenizer, requests = world
+    model = tiny_rank_model(tokenizer)
+    config = decode_config_for(model, tokenizer, None, RerankConfig(max_new_tokens=12, batch_size=4))
+    rows = rerank(model, requests, tokenizer, config, "ar_rl", None)
+    assert list(rows.columns) == list(RANKING_COLUMNS)
+    assert rows["user_id"].tolist() == requests["user_id"].tolist()
+    assert rows["system"].eq("ar_rl").all() and rows["tau"].isna().all()
+    # 12 tokens cannot hold ten 4-token SIDs: every answer is invalid and served the pre-rank.
+    assert not rows["valid"].any() and rows["reason"].ne(OK).all()
+    assert rows["prerank"].tolist() == requests["candidates"].tolist() == rows["ranking"].tolist()
+    assert rows["output_tokens"].between(1, 12).all()
+    assert (rows["nfe"] == rows["output_tokens"]).all()  # AR: prefill + one forward per later token
+    (metrics,) = stage_metrics(rows, n_boot=50)
+    assert metrics["fallback_rate"] == 1.0 and metrics["valid_rate"] == 0.0
+    (floor,) = stage_metrics(prerank_rows(requests), n_boot=50)
+    assert metrics["recall@1"] == floor["recall@1"] and metrics["mrr"] == floor["mrr"]
+
+
+def test_rerank_diffusion_records_tau_and_fewer_forwards_than_tokens(world) -> None:
+    tokenizer, requests = world
+    model = tiny_rank_model(tokenizer, block_size=4)
+    rows = rerank_system(model, requests, tokenizer, "cft", [0.9, 0.0], RerankConfig(max_new_tokens=16))
+    assert rows["tau"].tolist() == [0.9] * len(requests) + [0.0] * len(requests)
+    assert rows["output_tokens"].between(1, 16).all()
+    # tau 0 commits every masked position at the first step: a block costs 2 forwards, not 4.
+    low = rows[rows["tau"] == 0.0]
+    assert low["nfe"].sum() < low["output_tokens"].sum()
+
+
+def test_decode_config_for_reads_model_and_tokenizer(world) -> None:
+    tokenizer, _ = world
+    diffusion = tiny_rank_model(tokenizer, block_size=4)
+    cfg = decode_config_for(diffusion, tokenizer, 0.6, RerankConfig(max_new_tokens=40, batch_size=3))
+    assert (cfg.block_size, cfg.threshold, cfg.mask_token_id) == (4, 0.6, tokenizer.mask_token_id)
+    assert cfg.eos_token_ids == (tokenizer.convert_tokens_to_ids(IM_END),)
+    assert (cfg.pad_token_id, cfg.max_new_tokens, cfg.batch_size) == (tokenizer.pad_token_id, 40, 3)
+    assert decode_config_for(diffusion, tokenizer, None, RerankConfig()).block_size == 1  # AR: no tau
+    with pytest.raises(ValueError, match="block_size"):
+        decode_config_for(tiny_rank_model(tokenizer), tokenizer, 0.9, RerankConfig())
+
+
+def test_ranking_rows_map_valid_sids_to_items_and_fall_back_otherwise(world) -> None:
+    tokenizer, requests = world
+    reqs = requests.head(3)
+    sids = [list(s) for s in reqs["candidate_sids"]]
+    texts = [
+        render_answer("best first", sids[0][::-1]),  # valid: the reversed pre-rank
+        render_answer("dup", [sids[1][0], *sids[1][:-1]]),  # duplicate id
+        render_answer("cut", sids[2]),  # truncated: no end token, half a JSON object
+    ]
+    ids = [
+        _answer_ids(tokenizer, texts[0]),
+        _answer_ids(tokenizer, texts[1]),
+        _answer_ids(tokenizer, texts[2])[:30],
+    ]
+    outputs = [DecodeOutput(t, [0] * len(t), len(t), [0.0] * len(t)) for t in ids]
+    rows = ranking_rows(reqs, outputs, tokenizer, "rl", 0.9)
+    cands = [list(c) for c in reqs["candidates"]]
+    assert rows["valid"].tolist() == [True, False, False]
+    assert rows["reason"].tolist() == [OK, DUPLICATE_ID, INVALID_JSON]
+    assert rows["ranking"].tolist() == [cands[0][::-1], cands[1], cands[2]]
+    assert rows["output_text"][0] == texts[0]  # the end token is not part of the text
+    assert rows["output_tokens"].tolist() == [len(t) for t in ids]
+    (metrics,) = stage_metrics(rows, n_boot=20)
+    assert metrics["valid_rate"] == pytest.approx(1 / 3) and metrics["fallback_rate"] == pytest.approx(2 / 3)
+
+
+def _hand_requests(positions: list[int], split: str = "test") -> pd.DataFrame:
+    """Requests whose target sits at the given 1-based pre-rank positions among 10 candidates."""
+    rows = []
+    for u, pos in enumerate(positions):
+        cands = list(range(100 * u, 100 * u + 10))
+        rows.append({"user_id": u, "split": split, "target": cands[pos - 1], "target_position": pos})
+        rows[-1] |= {
+            "candidates": cands,
+            "candidate_sids": [f"<a_{i}>" for i in range(10)],
+            "prompt_ids": [1],
+        }
+    return pd.DataFrame(rows)
+
+
+def test_prerank_rows_metrics_equal_hand_computed_values() -> None:
+    rows = prerank_rows(_hand_requests([1, 2, 4, 7]))
+    assert list(rows.columns) == list(RANKING_COLUMNS)
+    assert rows["valid"].all() and (rows["output_tokens"] == 0).all() and (rows["nfe"] == 0).all()
+    (m,) = stage_metrics(rows, n_boot=50)
+    expected = {
+        "recall@1": 1 / 4,
+        "recall@3": 2 / 4,
+        "recall@5": 3 / 4,
+        "ndcg@3": (1 + 1 / math.log2(3)) / 4,
+        "ndcg@5": (1 + 1 / math.log2(3) + 1 / math.log2(5)) / 4,
+        "mrr": (1 + 1 / 2 + 1 / 4 + 1 / 7) / 4,
+        "valid_rate": 1.0,
+        "fallback_rate": 0.0,
+    }
+    assert {k: m[k] for k in expected} == pytest.approx(expected)
+    assert (m["system"], m["tau"], m["n"]) == ("prerank", None, 4)
+
+
+def _rankings() -> pd.DataFrame:
+    """prerank, an AR system (no tau) and a diffusion system at two taus over the same 6 users."""
+    reqs = _hand_requests([1, 2, 3, 5, 8, 10])
+    floor = prerank_rows(reqs)
+    ar = floor.assign(system="ar_rl", valid=[True, True, False, True, True, True], output_tokens=30, nfe=30)
+    best_first = [[t, *[c for c in p if c != t]] for t, p in zip(ar["target"], ar["prerank"], strict=True)]
+    best_first[2] = list(ar["prerank"][2])  # the invalid row is served the pre-rank
+    ar["ranking"] = best_first
+    cft9 = floor.assign(system="cft", tau=0.9, output_tokens=30, nfe=12)
+    cft6 = floor.assign(system="cft", tau=0.6, output_tokens=30, nfe=8, valid=False)
+    return pd.concat([floor, ar, cft9, cft6], ignore_index=True)
+
+
+def test_stage_metrics_are_recomputable_from_the_rankings_file(tmp_path: Path) -> None:
+    rankings = _rankings()
+    rankings.to_parquet(tmp_path / "rankings.parquet")
+    reread = pd.read_parquet(tmp_path / "rankings.parquet")
+    rows = stage_metrics(reread, n_boot=100)
+    assert rows == stage_metrics(rankings, n_boot=100)
+    assert [list(r) for r in rows] == [STAGE_KEYS] * 4
+    assert [(r["system"], r["tau"], r["n"]) for r in rows] == [
+        ("prerank", None, 6),
+        ("ar_rl", None, 6),
+        ("cft", 0.9, 6),
+        ("cft", 0.6, 6),
+    ]
+    by_hand = [
+        np.mean([rank[0] == t for rank, t in zip(g["ranking"], g["target"], strict=True)])
+        for _, g in reread.groupby(["system", "tau"], sort=False, dropna=False)
+    ]
+    assert [r["recall@1"] for r in rows] == pytest.approx(by_hand)
+    assert rows[1]["recall@1"] == pytest.approx(5 / 6) and rows[1]["fallback_rate"] == pytest.approx(1 / 6)
+    low, high = rows[1]["ci"]["recall@1"]
+    assert low <= rows[1]["recall@1"] <= high
+
+
+def test_compare_systems_pairs_users_against_each_baseline() -> None:
+    rankings = _rankings()
+    rows = compare_systems(rankings, EvaluationConfig(n_boot=200))
+    keys = {"system", "tau", "baseline", "baseline_tau", "metric", "n", "mean_diff", "low", "high", "p_value"}
+    assert all(set(r) == keys for r in rows)
+    assert all(r["system"] != r["baseline"] for r in rows)
+    assert len(rows) == 2 * 3 * 2  # 2 baselines x 3 other (system, tau) x 2 metrics
+    same = [r for r in rows if r["system"] == "cft" and r["tau"] == 0.9 and r["baseline"] == "prerank"]
+    assert all(r["mean_diff"] == 0.0 and r["p_value"] == 1.0 for r in same)
+    ar_vs_floor = next(r for r in rows if r["system"] == "ar_rl" and r["baseline"] == "prerank")
+    assert ar_vs_floor["metric"] == "recall@1" and ar_vs_floor["mean_diff"] == pytest.approx(5 / 6 - 1 / 6)
+
+
+def test_eval_metrics_names_and_markdown_table() -> None:
+    rankings = _rankings()
+    rows = stage_metrics(rankings, n_boot=20)
+    history = as_metrics_history(eval_metrics(rows, compare_systems(rankings, EvaluationConfig(n_boot=20))))
+    assert history["cft.tau0.9.recall_at_1"]["value"] == rows[2]["recall@1"]
+    assert history["ar_rl.ndcg_at_3"]["value"] == rows[1]["ndcg@3"]
+    assert history["cmp.cft.tau0.6.vs_ar_rl.recall_at_1"]["value"] == pytest.approx(1 / 6 - 5 / 6)
+    table = metrics_markdown(rows)
+    assert table.count("\n| ") == 5 and "| cft | 0.9 | 6 |" in table and "| ar_rl | — | 6 |" in table
+
+
+def test_select_requests_filters_sorts_and_caps() -> None:
+    reqs = pd.concat([_hand_requests([1, 2, 3]).iloc[::-1], _hand_requests([4], split="valid")])
+    assert select_requests(reqs)["user_id"].tolist() == [0, 1, 2]
+    assert select_requests(reqs, max_users=2)["user_id"].tolist() == [0, 1]
+    assert select_requests(reqs, split="valid")["user_id"].tolist() == [0]
+
+
+def test_plots_render_to_png(tmp_path: Path) -> None:
+    rows = stage_metrics(_rankings(), n_boot=20)
+    for name, fig in {"r1": metric_figure(rows), "valid": valid_rate_figure(rows)}.items():
+        fig.savefig(tmp_path / f"{name}.png")
+        assert (tmp_path / f"{name}.png").read_bytes()[:4] == b"\x89PNG"

@@ -1,0 +1,144 @@
+"""End-to-end: `inference` + `evaluation` through a Kedro session on tiny random models (smoke env)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import mlflow
+import pandas as pd
+import pytest
+import torch
+import yaml
+
+from diffusion_gr2.core.model.factory import save_model
+from diffusion_gr2.core.rank.benchmark import BENCHMARK_KEYS
+from diffusion_gr2.core.rank.metrics import METRICS
+from diffusion_gr2.core.rank.rerank import AR_SYSTEMS, DIFFUSION_SYSTEMS, SYSTEMS, stage_metrics
+from tests.conftest import make_project_copy, run_kedro
+from tests.core.rank.test_rerank import make_world, tiny_rank_model
+
+N_USERS, SMOKE_USERS, SMOKE_TAUS = 10, 8, [0.9]  # smoke params: max_users 8, taus [0.9]
+
+
+def _catalog(project: Path) -> dict[str, dict]:
+    catalog: dict[str, dict] = {}
+    for path in (project / "conf/base").glob("catalog*.yml"):
+        catalog |= yaml.safe_load(path.read_text()) or {}
+    return catalog
+
+
+def _model_dirs(project: Path) -> dict[str, Path]:
+    """Where the catalog keeps each model; entries the training stages do not define yet are added."""
+    missing = [s for s in (*AR_SYSTEMS, *DIFFUSION_SYSTEMS) if f"model_{s}" not in _catalog(project)]
+    entries = {
+        f"model_{s}": {
+            "type": "diffusion_gr2.datasets.PretrainedDataset",
+            "filepath": f"data/06_models/model_{s}",
+        }
+        for s in missing
+    }
+    if entries:
+        (project / "conf/base/catalog_zz_test_models.yml").write_text(yaml.safe_dump(entries))
+    catalog = _catalog(project)
+    return {s: project / catalog[f"model_{s}"]["filepath"] for s in (*AR_SYSTEMS, *DIFFUSION_SYSTEMS)}
+
+
+def _write_inputs(project: Path) -> None:
+    """Tokenizer, requests and one tiny random model per system, where the catalog expects them."""
+    tokenizer, requests = make_world(n_users=N_USERS)
+    tokenizer.save_pretrained(project / "data/06_models/tokenizer")
+    requests.to_parquet(project / "data/05_model_input/requests.parquet")
+    for system, path in _model_dirs(project).items():
+        save_model(tiny_rank_model(tokenizer, None if system in AR_SYSTEMS else 4), tokenizer, path)
+
+
+@pytest.fixture(scope="module")
+def evaluation_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    root = make_project_copy(tmp_path_factory.mktemp("evaluation_project"))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.chdir(root)
+        patch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{root / 'mlflow.db'}")
+        _write_inputs(root)
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            run_kedro(root, ["inference", "evaluation"])
+        finally:
+            torch.set_num_threads(threads)
+        yield root
+
+
+@pytest.mark.slow
+def test_rankings_hold_every_system_and_tau(evaluation_run: Path) -> None:
+    rankings = pd.read_parquet(evaluation_run / "data/07_model_output/rankings.parquet")
+    expected = [(s, None) for s in ("prerank", *AR_SYSTEMS)] + [
+        (s, t) for s in DIFFUSION_SYSTEMS for t in SMOKE_TAUS
+    ]
+    groups = rankings.groupby(["system", "tau"], sort=False, dropna=False).size()
+    assert [(s, None if pd.isna(t) else t) for s, t in groups.index] == expected
+    assert (groups == SMOKE_USERS).all()
+    assert sorted(rankings["user_id"].unique()) == list(range(SMOKE_USERS))  # the first users by id
+    assert (rankings["output_tokens"] <= 160).all()
+    invalid = rankings[~rankings["valid"]]
+    assert (invalid["ranking"].map(list) == invalid["prerank"].map(list)).all()  # fallback served
+
+
+@pytest.mark.slow
+def test_stage_metrics_file_is_recomputable_from_rankings(evaluation_run: Path) -> None:
+    rows = json.loads((evaluation_run / "data/08_reporting/stage_metrics.json").read_text())
+    assert all(list(r) == ["system", "tau", "n", *METRICS, "ci"] for r in rows)
+    assert [r["system"] for r in rows] == list(SYSTEMS)
+    rankings = pd.read_parquet(evaluation_run / "data/07_model_output/rankings.parquet")
+    assert stage_metrics(rankings, n_boot=200, seed=0) == rows  # smoke: 200 resamples, seed 0
+    comparisons = json.loads((evaluation_run / "data/08_reporting/comparisons.json").read_text())
+    assert {c["baseline"] for c in comparisons} == {"ar_rl", "prerank"}
+    table = (evaluation_run / "data/08_reporting/stage_metrics.md").read_text()
+    assert all(f"| {s} |" in table for s in SYSTEMS)
+    for plot in ("recall_at_1.png", "valid_rate.png"):
+        assert (evaluation_run / "data/08_reporting/plots" / plot).read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.slow
+def test_evaluation_is_logged_to_mlflow(evaluation_run: Path) -> None:
+    mlflow.set_tracking_uri(f"sqlite:///{evaluation_run / 'mlflow.db'}")
+    runs = mlflow.search_runs(experiment_names=["diffusion-gr2"], output_format="list")
+    (run,) = [r for r in runs if r.data.tags.get("pipeline") == "inference,evaluation"]
+    rows = json.loads((evaluation_run / "data/08_reporting/stage_metrics.json").read_text())
+    cft = next(r for r in rows if r["system"] == "cft")
+    assert run.data.metrics["eval.cft.tau0.9.recall_at_1"] == pytest.approx(cft["recall@1"])
+    assert (
+        "eval.ar_rl.valid_rate" in run.data.metrics
+        and "eval.cmp.rl.tau0.9.vs_prerank.ndcg_at_3" in run.data.metrics
+    )
+    assert "inference.cft.tau0.9.mean_nfe" in run.data.metrics
+    client = mlflow.MlflowClient()
+    artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
+    assert {"stage_metrics.json", "comparisons.json", "stage_metrics.md", "plots"} <= artifacts
+    plots = {a.path for a in client.list_artifacts(run.info.run_id, "plots")}
+    assert plots == {"plots/recall_at_1.png", "plots/valid_rate.png"}
+
+
+@pytest.fixture(scope="module")
+def benchmark_run(evaluation_run: Path) -> Path:
+    threads = torch.get_num_threads()  # the benchmark sets the process's thread count
+    try:
+        run_kedro(evaluation_run, ["benchmark"])
+    finally:
+        torch.set_num_threads(threads)
+    return evaluation_run
+
+
+@pytest.mark.slow
+def test_benchmark_pipeline_times_ar_against_diffusion(benchmark_run: Path) -> None:
+    rows = json.loads((benchmark_run / "data/08_reporting/benchmark.json").read_text())
+    assert all(list(r) == list(BENCHMARK_KEYS) for r in rows)
+    expected = [("ar_rl", None)] + [(s, 0.9) for s in ("cft", "opd", "rl")]  # smoke: taus [0.9]
+    assert [(r["system"], r["tau"], r["batch_size"]) for r in rows] == [
+        (s, t, b) for s, t in expected for b in (1, 16)
+    ]
+    assert all(0 < r["mean_output_tokens"] <= 160 and r["output_tokens_per_s"] > 0 for r in rows)
+    by_length = json.loads((benchmark_run / "data/08_reporting/speedup_by_length.json").read_text())
+    assert {r["system"] for r in by_length} == {"ar_rl", "cft", "opd", "rl"}
+    assert (benchmark_run / "data/08_reporting/plots/speedup_by_length.png").read_bytes()[:4] == b"\x89PNG"
