@@ -119,6 +119,18 @@ def test_sampled_mode_is_seeded_shuffled_and_obeys_contract() -> None:
     validate_candidates(first.frame, N, NUM_ITEMS)
 
 
+def test_retrieved_mode_never_fills_a_list_with_history_items() -> None:
+    splits = arithmetic_splits(3)
+    full = splits.copy()
+    full.at[0, "train_items"] = [i for i in range(NUM_ITEMS) if i not in (28, 29)][:-3]  # 3 items left
+    full.at[0, "valid_item"], full.at[0, "test_item"] = 28, 29
+    result = build_candidates(full, successor_scores(NUM_ITEMS), CandidateConfig(n=N), NUM_ITEMS)
+    frame = result.frame
+    assert not ((frame["user_id"] == 0) & (frame["split"] != "train")).any()
+    assert all(not set(c) & set(h) for c, h in zip(frame["candidates"], frame["history"], strict=True))
+    assert result.users_kept["test"] == 2 / 3
+
+
 def test_retrieved_mode_needs_a_score_fn() -> None:
     with pytest.raises(ValueError, match="score_fn"):
         build_candidates(arithmetic_splits(), None, CandidateConfig(), NUM_ITEMS)

@@ -14,6 +14,8 @@ from diffusion_gr2.core.retrieval.evaluation import (
 )
 from diffusion_gr2.core.retrieval.sasrec import (
     RetrieverConfig,
+    batch_tensors,
+    epoch_batches,
     score_users,
     train_retriever,
     training_windows,
@@ -74,7 +76,7 @@ def test_training_windows_cover_every_target_once() -> None:
 
 def test_batches_mask_skipped_targets_and_group_lengths() -> None:
     windows = [([1, 2, 3], 0), ([4, 5, 6, 7], 2), ([8, 9], 0)]
-    inputs, targets = _batch_tensors(windows)
+    inputs, targets = batch_tensors(windows)
     assert inputs.tolist() == [[0, 2, 3], [5, 6, 7], [0, 0, 9]]  # tokens are ids + 1, left-padded
     assert targets.tolist() == [[-1, 2, 3], [5, -1, -1], [-1, -1, 9]]
     batches = epoch_batches(np.array([5, 2, 5, 2, 5, 2]), batch_size=3, rng=np.random.default_rng(0))

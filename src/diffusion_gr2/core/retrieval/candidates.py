@@ -64,14 +64,20 @@ def candidate_requests(splits: pd.DataFrame, train_prefixes: int) -> pd.DataFram
 
 
 def retrieved_lists(histories: Sequence[list[int]], score_fn: ScoreFn, n: int, chunk: int) -> np.ndarray:
-    """[rows, n] top-N item ids per history in retriever order, history masked (again, defensively)."""
+    """[rows, n] top-N item ids per history in retriever order, history masked (again, defensively).
+
+    A row whose history leaves fewer than n other items gets -1 in the missing places, so it can never
+    be kept with a history item in its list.
+    """
     out = np.empty((len(histories), n), dtype=np.int64)
     for start in tqdm(
         range(0, len(histories), chunk), desc="retrieve", leave=False, disable=len(histories) <= chunk
     ):
         part = histories[start : start + chunk]
         scores = mask_history(np.array(score_fn(part), dtype=np.float32), part)  # [rows, i]
-        out[start : start + len(part)] = top_n(scores, n)
+        top = top_n(scores, n)  # [rows, n]
+        top[np.isneginf(np.take_along_axis(scores, top, axis=1))] = -1
+        out[start : start + len(part)] = top
     return out
 
 
@@ -149,7 +155,8 @@ def build_candidates(
                 "target_position": positions.astype(np.int64),
             }
         )
-        kept = part[part["target_position"] > 0]
+        complete = np.array([-1 not in c for c in part["candidates"]], dtype=bool)
+        kept = part[(part["target_position"] > 0) & complete]
         users_kept[split] = kept["user_id"].nunique() / max(part["user_id"].nunique(), 1)
         parts.append(kept)
         logger.info(

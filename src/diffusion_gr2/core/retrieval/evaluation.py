@@ -86,3 +86,18 @@ def evaluate_scorer(
 def evaluate_test(score_fn: ScoreFn, splits: pd.DataFrame, k: int = 10) -> dict[str, float]:
     """Metrics on the test item with history = train + validation (leave-one-out protocol)."""
     return evaluate_scorer(score_fn, histories_before_test(splits), splits["test_item"].to_numpy(), k)
+
+
+def retrieval_report(
+    retriever: dict[str, float],
+    popularity: dict[str, float],
+    candidate_mode: str,
+    users_kept: dict[str, float],
+) -> dict:
+    """The `retrieval_report.json` object of docs/architecture.md (exact keys)."""
+    return {
+        "retriever": dict(retriever),
+        "popularity": dict(popularity),
+        "candidate_mode": candidate_mode,
+        "users_kept": dict(users_kept),
+    }

@@ -59,6 +59,23 @@ def _clean(value: object) -> str:
     return str(value).strip()
 
 
+def _row_text(row: object) -> str:
+    """The text `Title: t. Categories: a, b. Brand: x. Description: d`, empty fields left out."""
+    parts = []
+    if title := _clean(getattr(row, "title", "")):
+        parts.append(f"Title: {title}.")
+    raw_cats = getattr(row, "categories", None)
+    if raw_cats is None:  # MovieLens-style frames may call them genres
+        raw_cats = getattr(row, "genres", None)
+    if cats := list(dict.fromkeys(_as_strings(raw_cats))):
+        parts.append(f"Categories: {', '.join(cats)}.")
+    if brand := _clean(getattr(row, "brand", "")):
+        parts.append(f"Brand: {brand}.")
+    if description := _clean(getattr(row, "description", "")):
+        parts.append(f"Description: {description}")
+    return " ".join(parts)
+
+
 def item_text(items: pd.DataFrame) -> list[str]:
     """One descriptive string per item, ordered by `item_id` (which must be 0..I-1).
 
@@ -69,23 +86,7 @@ def item_text(items: pd.DataFrame) -> list[str]:
     ids = ordered["item_id"].to_numpy()
     if not np.array_equal(ids, np.arange(len(ids))):
         raise ValueError("items.item_id must be exactly 0..I-1 so that row i of the vectors is item i")
-    texts = []
-    for row in ordered.itertuples(index=False):
-        parts = []
-        if title := _clean(getattr(row, "title", "")):
-            parts.append(f"Title: {title}.")
-        raw_cats = getattr(row, "categories", None)
-        if raw_cats is None:  # MovieLens-style frames may call them genres
-            raw_cats = getattr(row, "genres", None)
-        cats = list(dict.fromkeys(_as_strings(raw_cats)))
-        if cats:
-            parts.append(f"Categories: {', '.join(cats)}.")
-        if brand := _clean(getattr(row, "brand", "")):
-            parts.append(f"Brand: {brand}.")
-        if description := _clean(getattr(row, "description", "")):
-            parts.append(f"Description: {description}")
-        texts.append(" ".join(parts) if parts else f"Item {row.item_id}")
-    return texts
+    return [_row_text(row) or f"Item {row.item_id}" for row in ordered.itertuples(index=False)]
 
 
 def minilm_available() -> bool:

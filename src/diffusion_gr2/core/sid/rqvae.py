@@ -98,6 +98,7 @@ class EMACodebook(nn.Module):
 
 
 def _mlp(sizes: Sequence[int]) -> nn.Sequential:
+    """Linear layers of the given widths with SiLU between them (none after the last)."""
     layers: list[nn.Module] = []
     for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:], strict=True)):
         layers.append(nn.Linear(a, b))

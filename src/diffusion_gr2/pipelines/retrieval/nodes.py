@@ -7,7 +7,12 @@ from typing import Any
 import pandas as pd
 
 from diffusion_gr2.core.retrieval.candidates import CandidateConfig, build_candidates
-from diffusion_gr2.core.retrieval.evaluation import evaluate_test, popularity_counts, popularity_scorer
+from diffusion_gr2.core.retrieval.evaluation import (
+    evaluate_test,
+    popularity_counts,
+    popularity_scorer,
+    retrieval_report,
+)
 from diffusion_gr2.core.retrieval.sasrec import RetrieverConfig, score_users, train_retriever
 from diffusion_gr2.core.retrieval.validation import check_candidates, validate_candidates
 from diffusion_gr2.core.tracking.mlflow_utils import as_metrics_history
@@ -17,9 +22,8 @@ def retrieve_candidates(
     splits: pd.DataFrame, items: pd.DataFrame, params: dict[str, Any]
 ) -> tuple[pd.DataFrame, dict[str, Any], dict[str, Any]]:
     """Train the retriever, compare it with popularity full-catalog, and build the candidate lists."""
-    num_items = len(items)
+    num_items, k = len(items), params["eval_k"]
     trained = train_retriever(splits, num_items, RetrieverConfig(**params["retriever"]))
-    k = params["eval_k"]
 
     def retriever(histories):
         return score_users(trained.model, histories)
@@ -27,19 +31,14 @@ def retrieve_candidates(
     popularity = popularity_scorer(popularity_counts(splits, num_items))
     config = CandidateConfig(**params["candidates"])
     candidate_set = build_candidates(splits, retriever, config, num_items)
-    report = {
-        "retriever": {
-            **evaluate_test(retriever, splits, k),
-            "best_epoch": trained.best_epoch,
-            "valid_recall": trained.valid_recall,
-            "train_seconds": round(trained.seconds, 1),
-        },
-        "popularity": evaluate_test(popularity, splits, k),
-        "candidate_mode": config.mode,
-        "n_candidates": config.n,
-        "users_kept": candidate_set.users_kept,
-        "rows": candidate_set.frame["split"].value_counts().to_dict(),
-    }
+    report = retrieval_report(
+        evaluate_test(retriever, splits, k),
+        evaluate_test(popularity, splits, k),
+        config.mode,
+        candidate_set.users_kept,
+    )
+    report["retriever"] |= {"best_epoch": trained.best_epoch, "train_seconds": round(trained.seconds, 1)}
+    report["rows"] = candidate_set.frame["split"].value_counts().to_dict()
     return candidate_set.frame, report, as_metrics_history(report)
 
 
