@@ -1,4 +1,4 @@
-"""What every training node shares: the run directory, MLflow step metrics and a short summary."""
+"""The training nodes every stage shares: SFT/CFT, DAPO RL (AR or diffusion), and their bookkeeping."""
 
 from __future__ import annotations
 
@@ -11,9 +11,19 @@ from typing import Any
 
 import pandas as pd
 import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
 from diffusion_gr2.core.tracking.mlflow_utils import MlflowTracker
 from diffusion_gr2.core.train.loop import TrainConfig, train
+from diffusion_gr2.core.train.stages import (
+    RolloutConfig,
+    SupervisedConfig,
+    example_batches,
+    grpo_batches,
+    grpo_loss,
+    policy_block_size,
+    supervised_loss,
+)
 
 
 def fingerprint(params: dict[str, Any], model: torch.nn.Module, *frames: pd.DataFrame) -> str:
@@ -46,3 +56,31 @@ def train_stage(
         "resumed_from_step": result.resumed_from or 0,
         "train_seconds": round(time.perf_counter() - start, 1),
     }
+
+
+def train_supervised(
+    model: PreTrainedModel,
+    sft_examples: pd.DataFrame,
+    tokenizer: PreTrainedTokenizerFast,
+    params: dict[str, Any],
+) -> tuple[PreTrainedModel, dict[str, Any]]:
+    """SFT (an AR model) or CFT (a converted model): the block size comes from the model itself.
+
+    Answer tokens weigh more than reasoning tokens (GR2); for block size k > 1 the loss is the
+    masked-diffusion CE with complementary views and the token shift (DESIGN §6).
+    """
+    config = SupervisedConfig(**params["supervised"], block_size=policy_block_size(model))
+    make_batch = example_batches(sft_examples, tokenizer.pad_token_id, config)
+    loss_fn = supervised_loss(config, tokenizer.mask_token_id)
+    return model, train_stage(params["stage"], model, make_batch, loss_fn, params, sft_examples)
+
+
+def train_policy_rl(
+    model: PreTrainedModel, requests: pd.DataFrame, tokenizer: PreTrainedTokenizerFast, params: dict[str, Any]
+) -> tuple[PreTrainedModel, dict[str, Any]]:
+    """DAPO on the policy's own rollouts; the same node trains the AR teacher and the diffusion model."""
+    train_requests = requests[requests["split"] == "train"].reset_index(drop=True)
+    rollout = RolloutConfig(**params["rollout"])
+    loss_fn = grpo_loss(tokenizer.pad_token_id, params["clip_low"], params["clip_high"])
+    make_batch = grpo_batches(tokenizer, train_requests, rollout)
+    return model, train_stage(params["stage"], model, make_batch, loss_fn, params, train_requests)

@@ -13,6 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from diffusion_gr2.core.data.raw import (
+    InteractionRow,
+    ItemRow,
     RawDataset,
     ReadConfig,
     RejectRow,
@@ -27,9 +29,6 @@ from diffusion_gr2.core.data.raw import (
     parse_timestamp,
     require,
 )
-
-ItemRow = tuple[str, str, list[str], str, float, str]
-InteractionRow = tuple[str, str, int, float]
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,10 @@ from tqdm.auto import tqdm
 
 logger = logging.getLogger(__name__)
 
+# Rows the readers collect before building frames: raw ids, text fields, timestamp, rating.
+ItemRow = tuple[str, str, list[str], str, float, str]
+InteractionRow = tuple[str, str, int, float]
+
 RAW_INTERACTION_COLUMNS = ["raw_user_id", "raw_item_id", "timestamp", "rating"]
 RAW_ITEM_COLUMNS = ["raw_item_id", "title", "categories", "brand", "price", "description"]
 REJECT_COLUMNS = ["file", "line", "reason", "raw"]

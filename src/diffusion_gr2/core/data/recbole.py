@@ -14,6 +14,8 @@ from pathlib import Path
 
 from diffusion_gr2.core.data.raw import (
     DataQualityError,
+    InteractionRow,
+    ItemRow,
     RawDataset,
     ReadConfig,
     RejectRow,
@@ -25,9 +27,6 @@ from diffusion_gr2.core.data.raw import (
     parse_rating,
     parse_timestamp,
 )
-
-ItemRow = tuple[str, str, list[str], str, float, str]
-InteractionRow = tuple[str, str, int, float]
 
 EMBEDDED_DATASET = "ml-100k"
 TITLE_FIELDS = ("title", "movie_title", "item_name", "name")

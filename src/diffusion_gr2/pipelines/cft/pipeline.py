@@ -1,15 +1,15 @@
-"""cft: naive → cft (conversion fine-tuning)."""
+"""cft: naive → cft. Conversion fine-tuning is the supervised node with the converted model's block size."""
 
 from kedro.pipeline import Node, Pipeline
 
-from .nodes import train_cft
+from diffusion_gr2.pipelines.training import train_supervised
 
 
 def create_pipeline(**kwargs) -> Pipeline:
     return Pipeline(
         [
             Node(
-                train_cft,
+                train_supervised,
                 ["model_naive", "sft_examples", "tokenizer", "params:cft"],
                 ["model_cft", "cft_summary"],
                 name="train_cft",

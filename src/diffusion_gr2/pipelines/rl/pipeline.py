@@ -2,7 +2,7 @@
 
 from kedro.pipeline import Node, Pipeline
 
-from diffusion_gr2.pipelines.teacher.nodes import train_policy_rl
+from diffusion_gr2.pipelines.training import train_policy_rl
 
 
 def create_pipeline(**kwargs) -> Pipeline:

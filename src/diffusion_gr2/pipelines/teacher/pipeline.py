@@ -2,7 +2,9 @@
 
 from kedro.pipeline import Node, Pipeline
 
-from .nodes import build_ar_model, train_policy_rl, train_sft
+from diffusion_gr2.pipelines.training import train_policy_rl, train_supervised
+
+from .nodes import build_ar_model
 
 
 def create_pipeline(**kwargs) -> Pipeline:
@@ -10,7 +12,7 @@ def create_pipeline(**kwargs) -> Pipeline:
         [
             Node(build_ar_model, ["tokenizer", "params:teacher_sft"], "model_ar_init", name="build_ar_model"),
             Node(
-                train_sft,
+                train_supervised,
                 ["model_ar_init", "sft_examples", "tokenizer", "params:teacher_sft"],
                 ["model_ar_sft", "ar_sft_summary"],
                 name="train_ar_sft",
