@@ -27,11 +27,22 @@ def report(project: Path, name: str):
 
 def test_reports_have_the_documented_keys(dag_run: Path) -> None:
     sid = report(dag_run, "sid_report.json")
-    assert {"levels", "codebook_sizes", "uniqueness_3", "uniqueness_4", "collisions_3", "embedding_model"} <= set(sid)
+    assert {
+        "levels",
+        "codebook_sizes",
+        "uniqueness_3",
+        "uniqueness_4",
+        "collisions_3",
+        "embedding_model",
+    } <= set(sid)
     assert sid["uniqueness_4"] == 1.0
     retrieval = report(dag_run, "retrieval_report.json")
     assert {"recall@10", "ndcg@10"} <= set(retrieval["retriever"]) & set(retrieval["popularity"])
-    assert retrieval["candidate_mode"] == "retrieved" and set(retrieval["users_kept"]) == {"train", "valid", "test"}
+    assert retrieval["candidate_mode"] == "retrieved" and set(retrieval["users_kept"]) == {
+        "train",
+        "valid",
+        "test",
+    }
     traces = report(dag_run, "trace_report.json")
     assert 0 < traces["acceptance_rate"] <= 1 and traces["mean_answer_tokens"] > 0
 
@@ -54,7 +65,9 @@ def test_every_model_is_saved_with_its_tokenizer_and_logged(dag_run: Path) -> No
     assert config["block_size"] > 1 and config["mask_token_id"] is not None
     mlflow.set_tracking_uri(f"sqlite:///{dag_run / 'mlflow.db'}")
     runs = mlflow.search_runs(
-        experiment_names=["diffusion-gr2"], filter_string="tags.pipeline = '__default__'", output_format="list"
+        experiment_names=["diffusion-gr2"],
+        filter_string="tags.pipeline = '__default__'",
+        output_format="list",
     )
     assert runs, "no MLflow run for the default pipeline"
     client = mlflow.MlflowClient()

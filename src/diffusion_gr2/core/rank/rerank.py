@@ -273,6 +273,7 @@ def prerank_rows(requests: pd.DataFrame) -> pd.DataFrame:
 
 # ---- evaluation of rankings ------------------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class EvaluationConfig:
     """Bootstrap settings and the comparisons of the evaluation stage."""
