@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -44,9 +45,17 @@ def smoke_project(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
 
 def run_kedro(project: Path, pipelines: list[str], env: str = "smoke") -> None:
     """Run pipelines through a real Kedro session, exactly as ``kedro run`` does."""
+    import mlflow
     from kedro.framework.session import KedroSession
     from kedro.framework.startup import bootstrap_project
+    from mlflow.tracking import fluent
 
+    # Sessions in one process may use different stores (each test project has its own mlflow.db):
+    # forget the previous store's experiment and point MLflow at this one.
+    while mlflow.active_run() is not None:
+        mlflow.end_run()
+    fluent._active_experiment_id = None
+    mlflow.set_tracking_uri(os.environ.get("MLFLOW_TRACKING_URI", f"sqlite:///{project / 'mlflow.db'}"))
     bootstrap_project(project)
     with KedroSession.create(project_path=project, env=env) as session:
         session.run(pipeline_names=pipelines)
