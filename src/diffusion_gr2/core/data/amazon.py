@@ -20,6 +20,7 @@ from diffusion_gr2.core.data.raw import (
     RejectRow,
     Rejects,
     build_raw_dataset,
+    collect_item_rows,
     flatten_categories,
     item_row,
     iter_lines,
@@ -104,18 +105,13 @@ def read_meta_file(
     path: Path, parse: Callable[[dict[str, Any]], ItemRow], rejects: Rejects, seen: set[str]
 ) -> list[ItemRow]:
     """Normalised metadata rows of one file; repeated item ids after the first are rejected."""
-    rows: list[ItemRow] = []
-    for number, text in iter_lines(path, rejects):
-        try:
-            row = parse(parse_record(text, allow_python_literal=True))
-            if row[0] in seen:
-                raise RejectRow("duplicate_item")
-        except RejectRow as reject:
-            rejects.add(path, number, reject.reason, text)
-            continue
-        seen.add(row[0])
-        rows.append(row)
-    return rows
+    return collect_item_rows(
+        path,
+        iter_lines(path, rejects),
+        lambda text: parse(parse_record(text, allow_python_literal=True)),
+        rejects,
+        seen,
+    )
 
 
 def parse_review(record: dict[str, Any], fields: ReviewFields, config: ReadConfig) -> InteractionRow:

@@ -14,7 +14,7 @@ import logging
 import math
 import re
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -323,3 +323,25 @@ def build_raw_dataset(
     )
     log_rejects(raw)
     return raw
+
+
+def collect_item_rows(
+    path: Path,
+    lines: Iterable[tuple[int, str]],
+    parse: Callable[[str], ItemRow],
+    rejects: Rejects,
+    seen: set[str],
+) -> list[ItemRow]:
+    """Parse metadata lines; a bad line or a repeated item id goes to the rejects with its reason."""
+    rows: list[ItemRow] = []
+    for number, text in lines:
+        try:
+            row = parse(text)
+            if row[0] in seen:
+                raise RejectRow("duplicate_item")
+        except RejectRow as reject:
+            rejects.add(path, number, reject.reason, text)
+            continue
+        seen.add(row[0])
+        rows.append(row)
+    return rows

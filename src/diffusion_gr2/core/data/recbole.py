@@ -21,6 +21,7 @@ from diffusion_gr2.core.data.raw import (
     RejectRow,
     Rejects,
     build_raw_dataset,
+    collect_item_rows,
     item_row,
     iter_lines,
     parse_id,
@@ -165,24 +166,19 @@ def parse_item_line(cells: list[str], columns: list[tuple[str, str]], roles: dic
 
 def read_item_file(path: Path, rejects: Rejects, seen: set[str]) -> list[ItemRow]:
     """Normalised items of one ``.item`` file; repeated item ids after the first are rejected."""
-    rows: list[ItemRow] = []
     lines = iter_lines(path, rejects, has_header=True)
     header = next(lines, None)
     if header is None:
-        return rows
+        return []
     columns = parse_header(path, header[1], ("item_id",))
     roles = item_roles(columns)
-    for number, text in lines:
-        try:
-            row = parse_item_line(split_fields(text, len(columns)), columns, roles)
-            if row[0] in seen:
-                raise RejectRow("duplicate_item")
-        except RejectRow as reject:
-            rejects.add(path, number, reject.reason, text)
-            continue
-        seen.add(row[0])
-        rows.append(row)
-    return rows
+    return collect_item_rows(
+        path,
+        lines,
+        lambda text: parse_item_line(split_fields(text, len(columns)), columns, roles),
+        rejects,
+        seen,
+    )
 
 
 def read_recbole(

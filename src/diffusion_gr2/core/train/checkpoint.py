@@ -1,6 +1,6 @@
 """Training checkpoints: written atomically, found again after a crash, pruned to the last few.
 
-A checkpoint is a directory ``<output_dir>/checkpoints/step-XXXXXX/`` holding everything a resumed
+A checkpoint is a directory ``<output_dir>/checkpoints/step-NNNNNN/`` holding everything a resumed
 run needs to continue *bit for bit* (DESIGN §6 "resume after a crash"): the model weights
 (safetensors), optimizer, scheduler and grad-scaler states, the loop's own state (step, metric
 history) and the RNG states of every process. The directory is built in a temp folder and renamed
