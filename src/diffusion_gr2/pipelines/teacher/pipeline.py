@@ -1,10 +1,10 @@
-"""teacher: tokenizer → AR model → SFT (ar_sft) → DAPO RL (ar_rl, the frozen teacher)."""
+"""teacher: tokenizer → AR model → copy mid-training → SFT (ar_sft) → DAPO RL (ar_rl, the frozen teacher)."""
 
 from kedro.pipeline import Node, Pipeline
 
 from diffusion_gr2.pipelines.training import train_policy_rl, train_supervised
 
-from .nodes import build_ar_model
+from .nodes import build_ar_model, midtrain_copy
 
 
 def create_pipeline(**kwargs) -> Pipeline:
@@ -12,8 +12,14 @@ def create_pipeline(**kwargs) -> Pipeline:
         [
             Node(build_ar_model, ["tokenizer", "params:teacher_sft"], "model_ar_init", name="build_ar_model"),
             Node(
+                midtrain_copy,
+                ["model_ar_init", "sids", "tokenizer", "params:teacher_midtrain"],
+                ["model_ar_mid", "ar_mid_summary"],
+                name="midtrain_ar_copy",
+            ),
+            Node(
                 train_supervised,
-                ["model_ar_init", "sft_examples", "tokenizer", "params:teacher_sft"],
+                ["model_ar_mid", "sft_examples", "tokenizer", "params:teacher_sft"],
                 ["model_ar_sft", "ar_sft_summary"],
                 name="train_ar_sft",
             ),
