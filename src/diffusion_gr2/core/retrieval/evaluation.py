@@ -11,6 +11,8 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import pandas as pd
 
+from diffusion_gr2.core.rank.metrics import ndcg_at_k, recall_at_k, target_ranks
+
 ScoreFn = Callable[[Sequence[Sequence[int]]], np.ndarray]  # histories -> [u, i] scores, history at -inf
 
 
@@ -49,30 +51,14 @@ def popularity_scorer(counts: np.ndarray) -> ScoreFn:
     return score
 
 
-def target_ranks(scores: np.ndarray, targets: np.ndarray) -> np.ndarray:
-    """1-based rank of each target in its row; scores: [u, i], targets: [u] -> [u].
-
-    Ties are broken by item id (lower first), the same order a stable descending sort gives, so the rank
-    agrees with the top-N lists built from the same scores.
-    """
-    target_scores = scores[np.arange(len(targets)), targets][:, None]  # [u, 1]
-    higher = (scores > target_scores).sum(1)
-    tied_before = ((scores == target_scores) & (np.arange(scores.shape[1]) < targets[:, None])).sum(1)
-    return higher + tied_before + 1
-
-
 def top_n(scores: np.ndarray, n: int) -> np.ndarray:
     """[u, i] -> [u, n] item ids in descending score order (ties by lower id, as in `target_ranks`)."""
     return np.argsort(-scores, axis=1, kind="stable")[:, :n]
 
 
 def recall_ndcg(ranks: np.ndarray, k: int) -> dict[str, float]:
-    """Recall@k and NDCG@k with one relevant item per user: 1[rank <= k] and 1/log2(rank + 1)."""
-    hit = ranks <= k
-    return {
-        f"recall@{k}": float(hit.mean()),
-        f"ndcg@{k}": float(np.where(hit, 1.0 / np.log2(ranks + 1.0), 0.0).mean()),
-    }
+    """Recall@k and NDCG@k with one relevant item per user (the one metrics module computes them)."""
+    return {f"recall@{k}": float(recall_at_k(ranks, k).mean()), f"ndcg@{k}": float(ndcg_at_k(ranks, k).mean())}
 
 
 def evaluate_scorer(
