@@ -17,7 +17,8 @@ from diffusion_gr2.core.rank.benchmark import BENCHMARK_KEYS
 from diffusion_gr2.core.rank.metrics import METRICS
 from diffusion_gr2.core.rank.rerank import AR_SYSTEMS, DIFFUSION_SYSTEMS, SYSTEMS, stage_metrics
 from tests.conftest import make_project_copy, run_kedro
-from tests.core.rank.test_rerank import make_world, tiny_rank_model
+from tests.core.model.tiny import tiny_model_for
+from tests.core.rank.test_rerank import make_world
 
 N_USERS, SMOKE_USERS, SMOKE_TAUS = 10, 8, [0.9]  # smoke params: max_users 8, taus [0.9]
 
@@ -30,17 +31,7 @@ def _catalog(project: Path) -> dict[str, dict]:
 
 
 def _model_dirs(project: Path) -> dict[str, Path]:
-    """Where the catalog keeps each model; entries the training stages do not define yet are added."""
-    missing = [s for s in (*AR_SYSTEMS, *DIFFUSION_SYSTEMS) if f"model_{s}" not in _catalog(project)]
-    entries = {
-        f"model_{s}": {
-            "type": "diffusion_gr2.datasets.PretrainedDataset",
-            "filepath": f"data/06_models/model_{s}",
-        }
-        for s in missing
-    }
-    if entries:
-        (project / "conf/base/catalog_zz_test_models.yml").write_text(yaml.safe_dump(entries))
+    """Where the catalog keeps each system's model."""
     catalog = _catalog(project)
     return {s: project / catalog[f"model_{s}"]["filepath"] for s in (*AR_SYSTEMS, *DIFFUSION_SYSTEMS)}
 
@@ -51,7 +42,7 @@ def _write_inputs(project: Path) -> None:
     tokenizer.save_pretrained(project / "data/06_models/tokenizer")
     requests.to_parquet(project / "data/05_model_input/requests.parquet")
     for system, path in _model_dirs(project).items():
-        save_model(tiny_rank_model(tokenizer, None if system in AR_SYSTEMS else 4), tokenizer, path)
+        save_model(tiny_model_for(tokenizer, None if system in AR_SYSTEMS else 4), tokenizer, path)
 
 
 @pytest.fixture(scope="module")

@@ -66,3 +66,23 @@ def random_prompts(lengths: list[int], seed: int = 1) -> list[list[int]]:
     """Prompts of the given lengths drawn from the ordinary tokens (no pad / mask / eos)."""
     gen = torch.Generator().manual_seed(seed)
     return [torch.randint(3, VOCAB, (n,), generator=gen).tolist() for n in lengths]
+
+
+def tiny_model_for(tokenizer: PreTrainedTokenizerFast, block_size: int | None = None) -> PreTrainedModel:
+    """A random one-layer Qwen3 over `tokenizer`; a block-diffusion config when `block_size` is given."""
+    from diffusion_gr2.core.model.factory import ModelSpec, build_model
+
+    spec = ModelSpec(
+        hidden_size=32,
+        num_layers=1,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=16,
+        intermediate_size=64,
+        tie_embeddings=False,
+    )
+    model = build_model(spec, tokenizer)
+    if block_size is not None:  # what conversion writes into the config
+        model.config.block_size = block_size
+        model.config.mask_token_id = tokenizer.mask_token_id
+    return model

@@ -22,7 +22,8 @@ from diffusion_gr2.core.rank.benchmark import (
 from diffusion_gr2.core.rank.plots import speedup_figure
 from diffusion_gr2.core.rank.rerank import RerankConfig, decode_config_for
 from diffusion_gr2.core.text.tokenizer import IM_END
-from tests.core.rank.test_rerank import make_world, tiny_rank_model
+from tests.core.model.tiny import tiny_model_for
+from tests.core.rank.test_rerank import make_world
 
 MAX_NEW = 8
 
@@ -40,7 +41,7 @@ def forced_model(
     tokenizer: PreTrainedTokenizerFast, token_id: int, block_size: int | None = None
 ) -> PreTrainedModel:
     """A model that predicts `token_id` everywhere with probability ~1: zero LM-head weights + a bias."""
-    model = tiny_rank_model(tokenizer, block_size)
+    model = tiny_model_for(tokenizer, block_size)
     head = torch.nn.Linear(model.config.hidden_size, len(tokenizer), bias=True)
     with torch.no_grad():
         head.weight.zero_()

@@ -10,10 +10,9 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
-from transformers import PreTrainedModel, PreTrainedTokenizerFast
+from transformers import PreTrainedTokenizerFast
 
 from diffusion_gr2.core.decode.decoder import DecodeOutput
-from diffusion_gr2.core.model.factory import ModelSpec, build_model
 from diffusion_gr2.core.rank.metrics import METRICS
 from diffusion_gr2.core.rank.plots import metric_figure, valid_rate_figure
 from diffusion_gr2.core.rank.rerank import (
@@ -36,6 +35,7 @@ from diffusion_gr2.core.text.parser import DUPLICATE_ID, INVALID_JSON, OK
 from diffusion_gr2.core.text.prompt import ItemLookup, PromptConfig, build_messages, render_answer
 from diffusion_gr2.core.text.tokenizer import IM_END, build_tokenizer
 from diffusion_gr2.core.tracking.mlflow_utils import as_metrics_history
+from tests.core.model.tiny import tiny_model_for
 from tests.core.text.synthetic import make_candidates, make_items, make_sids, sid_tokens
 
 STAGE_KEYS = ["system", "tau", "n", *METRICS, "ci"]
@@ -59,24 +59,6 @@ def make_world(n_users: int = 6, seed: int = 2) -> tuple[PreTrainedTokenizerFast
     return tokenizer, encode_requests(cands, lookup, tokenizer, config)
 
 
-def tiny_rank_model(tokenizer: PreTrainedTokenizerFast, block_size: int | None = None) -> PreTrainedModel:
-    """A random one-layer Qwen3 over `tokenizer`; a block-diffusion config when `block_size` is given."""
-    spec = ModelSpec(
-        hidden_size=32,
-        num_layers=1,
-        num_heads=2,
-        num_kv_heads=1,
-        head_dim=16,
-        intermediate_size=64,
-        tie_embeddings=False,
-    )
-    model = build_model(spec, tokenizer)
-    if block_size is not None:  # what conversion writes into the config
-        model.config.block_size = block_size
-        model.config.mask_token_id = tokenizer.mask_token_id
-    return model
-
-
 @pytest.fixture(scope="module")
 def world() -> Iterator[tuple[PreTrainedTokenizerFast, pd.DataFrame]]:
     threads = torch.get_num_threads()
@@ -92,7 +74,7 @@ def _answer_ids(tokenizer: PreTrainedTokenizerFast, text: str, eos: bool = True)
 
 def test_rerank_ar_rows_are_well_formed_and_invalid_outputs_fall_back(world) -> None:
     tokenizer, requests = world
-    model = tiny_rank_model(tokenizer)
+    model = tiny_model_for(tokenizer)
     config = decode_config_for(model, tokenizer, None, RerankConfig(max_new_tokens=12, batch_size=4))
     rows = rerank(model, requests, tokenizer, config, "ar_rl", None)
     assert list(rows.columns) == list(RANKING_COLUMNS)
@@ -111,7 +93,7 @@ def test_rerank_ar_rows_are_well_formed_and_invalid_outputs_fall_back(world) -> 
 
 def test_rerank_diffusion_records_tau_and_fewer_forwards_than_tokens(world) -> None:
     tokenizer, requests = world
-    model = tiny_rank_model(tokenizer, block_size=4)
+    model = tiny_model_for(tokenizer, block_size=4)
     rows = rerank_system(model, requests, tokenizer, "cft", [0.9, 0.0], RerankConfig(max_new_tokens=16))
     assert rows["tau"].tolist() == [0.9] * len(requests) + [0.0] * len(requests)
     assert rows["output_tokens"].between(1, 16).all()
@@ -122,14 +104,14 @@ def test_rerank_diffusion_records_tau_and_fewer_forwards_than_tokens(world) -> N
 
 def test_decode_config_for_reads_model_and_tokenizer(world) -> None:
     tokenizer, _ = world
-    diffusion = tiny_rank_model(tokenizer, block_size=4)
+    diffusion = tiny_model_for(tokenizer, block_size=4)
     cfg = decode_config_for(diffusion, tokenizer, 0.6, RerankConfig(max_new_tokens=40, batch_size=3))
     assert (cfg.block_size, cfg.threshold, cfg.mask_token_id) == (4, 0.6, tokenizer.mask_token_id)
     assert cfg.eos_token_ids == (tokenizer.convert_tokens_to_ids(IM_END),)
     assert (cfg.pad_token_id, cfg.max_new_tokens, cfg.batch_size) == (tokenizer.pad_token_id, 40, 3)
     assert decode_config_for(diffusion, tokenizer, None, RerankConfig()).block_size == 1  # AR: no tau
     with pytest.raises(ValueError, match="block_size"):
-        decode_config_for(tiny_rank_model(tokenizer), tokenizer, 0.9, RerankConfig())
+        decode_config_for(tiny_model_for(tokenizer), tokenizer, 0.9, RerankConfig())
 
 
 def test_ranking_rows_map_valid_sids_to_items_and_fall_back_otherwise(world) -> None:

@@ -8,7 +8,6 @@ import pandas as pd
 import pytest
 import torch
 
-from diffusion_gr2.core.model.factory import ModelSpec, build_model
 from diffusion_gr2.core.text.examples import encode_requests, encode_sft
 from diffusion_gr2.core.text.prompt import ItemLookup, PromptConfig
 from diffusion_gr2.core.text.tokenizer import build_tokenizer
@@ -32,6 +31,7 @@ from diffusion_gr2.core.train.stages import (
     sample_rollouts,
     supervised_loss,
 )
+from tests.core.model.tiny import tiny_model_for
 from tests.core.text.synthetic import make_candidates, make_items, make_sids, sid_tokens
 
 PROMPT = PromptConfig(history_in_prompt=4, title_words=2, max_categories=1)
@@ -54,17 +54,6 @@ def task() -> dict:
     }
 
 
-def small_model(tok, block_size: int = 1) -> torch.nn.Module:
-    spec = ModelSpec(
-        hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16, intermediate_size=64
-    )
-    model = build_model(spec, tok)
-    if block_size > 1:
-        model.config.block_size = block_size
-        model.config.mask_token_id = tok.mask_token_id
-    return model
-
-
 def run(model, make_batch, loss_fn, tmp_path, steps: int = 2, lr: float = 1e-3):
     config = TrainConfig(output_dir=str(tmp_path), max_steps=steps, lr=lr, checkpoint_every=0, progress=False)
     return train(model, make_batch, loss_fn, config)
@@ -73,7 +62,7 @@ def run(model, make_batch, loss_fn, tmp_path, steps: int = 2, lr: float = 1e-3):
 @pytest.mark.parametrize("block_size", [1, 4])
 def test_supervised_loss_decreases(task: dict, tmp_path, block_size: int) -> None:
     tok = task["tokenizer"]
-    model = small_model(tok, block_size)
+    model = tiny_model_for(tok, block_size if block_size > 1 else None)
     config = SupervisedConfig(batch_size=4, block_size=block_size)
     make_batch = example_batches(task["sft"], tok.pad_token_id, config)
     loss_fn = supervised_loss(config, tok.mask_token_id)
@@ -85,7 +74,7 @@ def test_supervised_loss_decreases(task: dict, tmp_path, block_size: int) -> Non
 
 def test_cft_with_block_size_one_is_sft(task: dict) -> None:
     tok = task["tokenizer"]
-    model = small_model(tok)
+    model = tiny_model_for(tok)
     sft = SupervisedConfig(batch_size=4, block_size=1)
     batch = example_batches(task["sft"], tok.pad_token_id, sft)(0, model)
     loss_sft = supervised_loss(sft)(model, batch)[0]
@@ -98,7 +87,7 @@ def test_cft_with_block_size_one_is_sft(task: dict) -> None:
 @pytest.mark.parametrize("block_size", [1, 4])
 def test_rollouts_are_scored_and_replayed(task: dict, block_size: int) -> None:
     tok = task["tokenizer"]
-    model = small_model(tok, block_size)
+    model = tiny_model_for(tok, block_size if block_size > 1 else None)
     config = RolloutConfig(group_size=2, max_new_tokens=24, threshold=0.5)
     rollouts = sample_rollouts(model, tok, task["requests"].head(2), config, seed=0)
     assert rollouts.rewards.shape == (2, 2)
@@ -113,7 +102,7 @@ def test_rollouts_are_scored_and_replayed(task: dict, block_size: int) -> None:
 
 def test_grpo_step_runs_and_drops_zero_variance_groups(task: dict, tmp_path) -> None:
     tok = task["tokenizer"]
-    model = small_model(tok, 4)
+    model = tiny_model_for(tok, 4)
     config = RolloutConfig(prompts_per_step=2, group_size=2, max_new_tokens=16)
     make_batch = grpo_batches(tok, task["requests"], config)
     batch = make_batch(0, model)
@@ -126,12 +115,12 @@ def test_grpo_step_runs_and_drops_zero_variance_groups(task: dict, tmp_path) -> 
 
 def test_opd_loss_zero_for_identical_ar_models_and_positive_otherwise(task: dict) -> None:
     tok = task["tokenizer"]
-    teacher = small_model(tok)
+    teacher = tiny_model_for(tok)
     config = RolloutConfig(prompts_per_step=2, group_size=2, max_new_tokens=16)
     same = opd_batches(teacher, tok, task["requests"], config)
     loss_same, _ = opd_loss(tok.pad_token_id)(copy.deepcopy(teacher), same(0, teacher))
     assert loss_same.item() == pytest.approx(0.0, abs=1e-5)
-    student = small_model(tok, 4)
+    student = tiny_model_for(tok, 4)
     with torch.no_grad():
         for p in student.parameters():
             p.add_(0.05 * torch.randn_like(p))
