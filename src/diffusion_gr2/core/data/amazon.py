@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -50,55 +51,39 @@ REVIEW_FIELDS = {
 }
 
 
-def meta_2014(record: dict[str, Any]) -> ItemRow:
-    """2014 metadata: ``categories`` is a list of category paths, ``description`` a string."""
-    asin = parse_id(require(record, "asin"), "asin")
-    categories = flatten_categories(record.get("categories"))
-    return item_row(
-        asin,
-        record.get("title"),
-        categories,
-        record.get("brand"),
-        record.get("price"),
-        record.get("description"),
-    )
+@dataclass(frozen=True)
+class MetaFields:
+    """Where one Amazon release keeps the metadata fields (title, price, description never move)."""
+
+    item: str  # the item key
+    categories: tuple[str, ...]  # category fields, first non-empty wins
+    brand: str
 
 
-def meta_2018(record: dict[str, Any]) -> ItemRow:
-    """2018 metadata: ``category`` list, price string like ``"$12.99"``, ``description`` list."""
-    asin = parse_id(require(record, "asin"), "asin")
-    categories = flatten_categories(record.get("category")) or flatten_categories(record.get("main_cat"))
-    return item_row(
-        asin,
-        record.get("title"),
-        categories,
-        record.get("brand"),
-        record.get("price"),
-        record.get("description"),
-    )
-
-
-def meta_2023(record: dict[str, Any]) -> ItemRow:
-    """2023 metadata: keyed by ``parent_asin``; the brand is the ``store``."""
-    asin = parse_id(require(record, "parent_asin"), "parent_asin")
-    categories = flatten_categories(record.get("categories")) or flatten_categories(
-        record.get("main_category")
-    )
-    return item_row(
-        asin,
-        record.get("title"),
-        categories,
-        record.get("store"),
-        record.get("price"),
-        record.get("description"),
-    )
-
-
-META_PARSERS: dict[str, Callable[[dict[str, Any]], ItemRow]] = {
-    "amazon2014": meta_2014,
-    "amazon2018": meta_2018,
-    "amazon2023": meta_2023,
+META_FIELDS: dict[str, MetaFields] = {
+    # 2014: ``categories`` is a list of category paths, ``description`` a string.
+    "amazon2014": MetaFields("asin", ("categories",), "brand"),
+    # 2018: ``category`` list (else ``main_cat``), price string like ``"$12.99"``, ``description`` list.
+    "amazon2018": MetaFields("asin", ("category", "main_cat"), "brand"),
+    # 2023: keyed by ``parent_asin``; the brand is the ``store``.
+    "amazon2023": MetaFields("parent_asin", ("categories", "main_category"), "store"),
 }
+
+
+def parse_meta(record: dict[str, Any], fields: MetaFields) -> ItemRow:
+    """One metadata record as a normalised item row."""
+    item = parse_id(require(record, fields.item), fields.item)
+    categories: list[str] = []
+    for key in fields.categories:
+        categories = categories or flatten_categories(record.get(key))
+    return item_row(
+        item,
+        record.get("title"),
+        categories,
+        record.get(fields.brand),
+        record.get("price"),
+        record.get("description"),
+    )
 
 
 def read_meta_file(
@@ -148,7 +133,7 @@ def read_amazon(
     seen: set[str] = set()
     items: list[ItemRow] = []
     for path in meta_files:
-        items.extend(read_meta_file(path, META_PARSERS[fmt], rejects, seen))
+        items.extend(read_meta_file(path, partial(parse_meta, fields=META_FIELDS[fmt]), rejects, seen))
     known = seen if meta_files else None
     interactions: list[InteractionRow] = []
     for path in review_files:

@@ -58,7 +58,10 @@ def top_n(scores: np.ndarray, n: int) -> np.ndarray:
 
 def recall_ndcg(ranks: np.ndarray, k: int) -> dict[str, float]:
     """Recall@k and NDCG@k with one relevant item per user (the one metrics module computes them)."""
-    return {f"recall@{k}": float(recall_at_k(ranks, k).mean()), f"ndcg@{k}": float(ndcg_at_k(ranks, k).mean())}
+    return {
+        f"recall@{k}": float(recall_at_k(ranks, k).mean()),
+        f"ndcg@{k}": float(ndcg_at_k(ranks, k).mean()),
+    }
 
 
 def evaluate_scorer(
