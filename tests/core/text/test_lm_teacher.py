@@ -5,7 +5,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+from transformers import PreTrainedTokenizerFast
 
 from diffusion_gr2.core.text.lm_teacher import (
     LMTeacherConfig,
@@ -16,26 +16,16 @@ from diffusion_gr2.core.text.lm_teacher import (
 )
 from diffusion_gr2.core.text.prompt import ItemLookup, PromptConfig
 from diffusion_gr2.core.text.traces import RerankExample, RuleBasedAnalyst, rejection_sample
+from tests.core.model.tiny import tiny_model_for
 
 
 @pytest.fixture(scope="module")
 def tiny_lm_dir(tokenizer: PreTrainedTokenizerFast, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A randomly initialised 1-layer Qwen3 saved with our tokenizer: exercises the loading path offline."""
     torch.manual_seed(0)
-    config = Qwen3Config(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=16,
-        max_position_embeddings=1024,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
+    model = tiny_model_for(tokenizer)
     path = tmp_path_factory.mktemp("tiny_lm")
-    Qwen3ForCausalLM(config).save_pretrained(path)
+    model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
 
