@@ -71,6 +71,30 @@ def test_noiseless_analyst_prefers_matching_candidates(
     assert sorted(ranking) == sorted(ex.candidates)
 
 
+@pytest.mark.parametrize("tail", ["prerank", "score", "noisy"])
+def test_tail_order_after_the_top_pick(lookup: ItemLookup, examples: list[RerankExample], tail: str) -> None:
+    analyst = RuleBasedAnalyst(lookup, config=AnalystConfig(temperature=5.0, tail=tail))
+    ex = examples[0]
+    _, base = analyst.scores(ex)
+    for seed in range(20):
+        _, ranking = analyst.propose(ex, np.random.default_rng(seed))
+        rest = [c for c in ex.candidates if c != ranking[0]]
+        by_score = [ex.candidates[j] for j in np.argsort(-base, kind="stable") if ex.candidates[j] != ranking[0]]
+        assert sorted(ranking) == sorted(ex.candidates)
+        if tail == "prerank":
+            assert list(ranking[1:]) == rest  # "promote one item": the rest keep the retriever's order
+        elif tail == "score":
+            assert list(ranking[1:]) == by_score
+        elif list(ranking[1:]) not in (rest, by_score):
+            return  # the noisy tail departs from both orders for some seed
+    assert tail != "noisy", "a noisy tail never left the pre-rank and score orders"
+
+
+def test_unknown_tail_order_is_refused() -> None:
+    with pytest.raises(ValueError, match="tail"):
+        AnalystConfig(tail="random")
+
+
 def test_proposals_vary_with_noise_and_repeat_with_seed(
     analyst: RuleBasedAnalyst, examples: list[RerankExample], lookup: ItemLookup
 ) -> None:

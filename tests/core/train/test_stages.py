@@ -18,8 +18,10 @@ from diffusion_gr2.core.text.traces import (
     examples_from_frame,
     rejection_sample,
 )
+from diffusion_gr2.core.train.grpo import make_grpo_batch, policy_loss, token_logprobs
 from diffusion_gr2.core.train.loop import TrainConfig, train
 from diffusion_gr2.core.train.stages import (
+    RLBatch,
     RolloutConfig,
     SupervisedConfig,
     example_batches,
@@ -111,6 +113,27 @@ def test_grpo_step_runs_and_drops_zero_variance_groups(task: dict, tmp_path) -> 
     before = copy.deepcopy(model.state_dict())
     run(model, make_batch, grpo_loss(tok.pad_token_id, 0.2, 0.28), tmp_path, steps=1)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+@pytest.mark.parametrize("block_size", [1, 4])
+def test_grpo_loss_scores_only_kept_groups_and_equals_the_masked_full_batch(
+    task: dict, block_size: int
+) -> None:
+    tok = task["tokenizer"]
+    model = tiny_model_for(tok, block_size if block_size > 1 else None)
+    config = RolloutConfig(prompts_per_step=2, group_size=2, max_new_tokens=16, threshold=0.5)
+    batch = grpo_batches(tok, task["requests"], config)(0, model)
+    g = batch.grpo
+    rewards = torch.tensor([[-1.0, -1.0], [1.0, 0.2]])  # group 0 has no variance, group 1 has
+    grpo = make_grpo_batch(None, g.old_logprobs, rewards, g.mask)
+    loss, metrics = grpo_loss(tok.pad_token_id, 0.2, 0.28)(model, RLBatch(grpo, batch.rollouts, 1.0))
+    full = rollout_logits(model, batch.rollouts, tok.pad_token_id).float()
+    ids = batch.rollouts.token_batch(tok.pad_token_id).response_ids
+    ref, _ = policy_loss(
+        token_logprobs(full, ids), grpo.old_logprobs, grpo.advantages, grpo.mask, 0.2, 0.28, grpo.keep
+    )
+    assert metrics["kept_groups"] == 0.5
+    assert torch.allclose(loss, ref, atol=1e-6) and loss.requires_grad
 
 
 def test_opd_loss_zero_for_identical_ar_models_and_positive_otherwise(task: dict) -> None:

@@ -72,6 +72,9 @@ class Teacher(Protocol):
     def propose(self, example: RerankExample, rng: np.random.Generator) -> tuple[str, list[int]]: ...
 
 
+TAIL_ORDERS = ("prerank", "score", "noisy")
+
+
 @dataclass(frozen=True)
 class AnalystConfig:
     """Feature weights and noise of the rule-based analyst."""
@@ -83,6 +86,15 @@ class AnalystConfig:
     w_popularity: float = 0.3  # popular items are likelier a priori
     w_position: float = 0.5  # the pre-rank order is visible and informative (pre-rank R@1 ~ .28)
     temperature: float = 0.3  # scale of the Gumbel noise: repeated proposals differ
+    # Order of the candidates after the top pick: "prerank" keeps the retriever's order (the answer
+    # is then "promote one item": a tiny model learns to copy a list in order, while a free
+    # permutation needs it to track which IDs it already wrote, and it writes duplicates instead),
+    # "score" sorts them by the noiseless score, "noisy" by the same noisy draw as the top pick.
+    tail: str = "prerank"
+
+    def __post_init__(self) -> None:
+        if self.tail not in TAIL_ORDERS:
+            raise ValueError(f"analyst tail must be one of {TAIL_ORDERS}, got {self.tail!r}")
 
     def weights(self) -> np.ndarray:
         """[5] weights in the order of FEATURES."""
@@ -184,6 +196,9 @@ class RuleBasedAnalyst:
         feats, base = self.scores(example)
         noisy = base + self.config.temperature * rng.gumbel(size=base.shape)
         order = np.argsort(-noisy, kind="stable")
+        if self.config.tail != "noisy":
+            tail = range(len(base)) if self.config.tail == "prerank" else np.argsort(-base, kind="stable")
+            order = np.array([order[0], *(j for j in tail if j != order[0])])
         ranking = [example.candidates[j] for j in order]
         contrib = feats[order[0]] * self.config.weights()
         reason = _REASONS[FEATURES[int(np.argmax(contrib))]]

@@ -220,19 +220,24 @@ def sample_rollouts(
     return Rollouts(prompts, outputs, rewards, valid, policy_block_size(model), tokenizer.mask_token_id)
 
 
-def rollout_logits(model: PreTrainedModel, rollouts: Rollouts, pad_id: int) -> torch.Tensor:
+def rollout_logits(
+    model: PreTrainedModel, rollouts: Rollouts, pad_id: int, rows: Sequence[int] | None = None
+) -> torch.Tensor:
     """[b, r, v] logits each rollout token was sampled from, under the current weights.
 
+    `rows` limits the work to those rollouts (b = len(rows), r = their longest response).
     Block size 1: one causal forward over the padded batch. k > 1: replay of the commit canvases.
     """
+    rows = range(len(rollouts.outputs)) if rows is None else rows
+    prompts, outputs = [rollouts.prompts[i] for i in rows], [rollouts.outputs[i] for i in rows]
     if rollouts.block_size == 1:
-        batch = rollouts.token_batch(pad_id)
+        batch = collate(prompts, [o.tokens for o in outputs], pad_id)
         return response_logits(
             model, batch.prompt_ids, batch.response_ids, 1, None, batch.prompt_mask, batch.response_mask
         )
     per_rollout = [
         replay_logits(model, prompt, out, rollouts.block_size, rollouts.mask_token_id)
-        for prompt, out in zip(rollouts.prompts, rollouts.outputs, strict=True)
+        for prompt, out in zip(prompts, outputs, strict=True)
     ]
     return torch.nn.utils.rnn.pad_sequence(per_rollout, batch_first=True)  # [b, r, v]
 
@@ -274,15 +279,27 @@ def grpo_loss(pad_id: int, clip_low: float, clip_high: float) -> Callable:
     """Token-level clipped policy loss; the ratio's new log-probs come from the policy's own view."""
 
     def loss_fn(model: PreTrainedModel, batch: RLBatch) -> tuple[torch.Tensor, dict[str, float]]:
-        logits = rollout_logits(model, batch.rollouts, pad_id).float() / batch.temperature
-        new = token_logprobs(logits, batch.rollouts.token_batch(pad_id).response_ids)
         g = batch.grpo
-        loss, metrics = policy_loss(new, g.old_logprobs, g.advantages, g.mask, clip_low, clip_high, g.keep)
-        return loss, {
-            **metrics,
-            **rollout_metrics(batch.rollouts),
-            "kept_groups": float(g.keep.float().mean()),
-        }
+        extra = {**rollout_metrics(batch.rollouts), "kept_groups": float(g.keep.float().mean())}
+        rows = torch.nonzero(g.keep).squeeze(1)
+        if len(rows) == 0:
+            # Every group had zero reward variance: the loss is an exact zero, so skip the (replay)
+            # forward; a graph-connected zero keeps the optimizer step identical to computing it.
+            zero = sum(p.sum() for p in model.parameters() if p.requires_grad) * 0.0
+            return zero, {"clip_fraction": 0.0, "approx_kl": 0.0, "ratio_mean": 1.0, "tokens": 0.0, **extra}
+        # Rollouts of dropped groups carry no gradient: only the kept ones are scored.
+        logits = rollout_logits(model, batch.rollouts, pad_id, rows.tolist()).float() / batch.temperature
+        r = logits.shape[1]
+        taken = batch.rollouts.token_batch(pad_id).response_ids[rows, :r]
+        loss, metrics = policy_loss(
+            token_logprobs(logits, taken),
+            g.old_logprobs[rows, :r],
+            g.advantages[rows],
+            g.mask[rows, :r],
+            clip_low,
+            clip_high,
+        )
+        return loss, {**metrics, **extra}
 
     return loss_fn
 
