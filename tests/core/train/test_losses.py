@@ -57,6 +57,14 @@ def test_weighted_ce_empty_mask_is_zero_and_differentiable() -> None:
     assert loss.item() == 0.0 and torch.all(logits.grad == 0)
 
 
+def test_weighted_ce_reports_only_the_roles_present() -> None:
+    logits, targets, roles, mask = _random_case(2)
+    _, answer_only = weighted_token_ce(logits, targets, torch.ones_like(roles), mask)
+    assert "ce_answer" in answer_only and "ce_reasoning" not in answer_only  # no NaN entry
+    _, both = weighted_token_ce(logits, targets, roles, mask)
+    assert all(math.isfinite(v) for v in both.values()) and {"ce_answer", "ce_reasoning"} <= set(both)
+
+
 def _response(b: int = 4, r: int = 16, pad_from: int = 13) -> tuple[torch.Tensor, torch.Tensor]:
     ids = torch.randint(0, 50, (b, r), generator=torch.Generator().manual_seed(3))
     roles = (torch.arange(r) >= 8).long().expand(b, r).clone()

@@ -48,12 +48,11 @@ def weighted_token_ce(
     loss = (ce * weights).sum() / weights.sum().clamp_min(1e-12)
     with torch.no_grad():
         correct = (logits.argmax(dim=-1) == targets).float()
-        metrics = {
-            "ce_reasoning": _masked_mean(ce, mask & ~is_answer),
-            "ce_answer": _masked_mean(ce, mask & is_answer),
-            "token_accuracy": _masked_mean(correct, mask),
-            "tokens": float(mask.sum()),
-        }
+        # A role with no tokens in the batch (the copy task has no reasoning) gets no entry rather
+        # than NaN: the loop averages each metric over the steps that have it, and JSON stays valid.
+        parts = {"ce_reasoning": mask & ~is_answer, "ce_answer": mask & is_answer}
+        metrics = {name: _masked_mean(ce, m) for name, m in parts.items() if m.any()}
+        metrics |= {"token_accuracy": _masked_mean(correct, mask), "tokens": float(mask.sum())}
     return loss, metrics
 
 
