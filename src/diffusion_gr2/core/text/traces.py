@@ -87,9 +87,9 @@ class AnalystConfig:
     w_position: float = 0.5  # the pre-rank order is visible and informative (pre-rank R@1 ~ .28)
     temperature: float = 0.3  # scale of the Gumbel noise: repeated proposals differ
     # Order of the candidates after the top pick: "prerank" keeps the retriever's order (the answer
-    # is then "promote one item": a tiny model learns to copy a list in order, while a free
-    # permutation needs it to track which IDs it already wrote, and it writes duplicates instead),
-    # "score" sorts them by the noiseless score, "noisy" by the same noisy draw as the top pick.
+    # is then "promote one item", the simplest full permutation to copy; a noisy tail is label
+    # noise the model cannot predict), "score" sorts them by the noiseless score, "noisy" by the
+    # same noisy draw as the top pick (the papers' free re-ranking; needs a model that copies well).
     tail: str = "prerank"
 
     def __post_init__(self) -> None:
