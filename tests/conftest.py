@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -33,13 +34,20 @@ def make_project_copy(target: Path) -> Path:
     return target
 
 
-@pytest.fixture(scope="session")
-def smoke_project(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    """A project copy whose MLflow store is its own sqlite file."""
-    root = make_project_copy(tmp_path_factory.mktemp("project"))
+@contextmanager
+def isolated_project(target: Path) -> Iterator[Path]:
+    """A project copy at `target`, made the working directory, with its own sqlite MLflow store."""
+    root = make_project_copy(target)
     with pytest.MonkeyPatch.context() as patch:
         patch.chdir(root)
         patch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{root / 'mlflow.db'}")
+        yield root
+
+
+@pytest.fixture(scope="session")
+def smoke_project(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """A project copy whose MLflow store is its own sqlite file."""
+    with isolated_project(tmp_path_factory.mktemp("project")) as root:
         yield root
 
 

@@ -16,7 +16,7 @@ from diffusion_gr2.core.model.factory import save_model
 from diffusion_gr2.core.rank.benchmark import BENCHMARK_KEYS
 from diffusion_gr2.core.rank.metrics import METRICS
 from diffusion_gr2.core.rank.rerank import AR_SYSTEMS, DIFFUSION_SYSTEMS, SYSTEMS, stage_metrics
-from tests.conftest import make_project_copy, run_kedro
+from tests.conftest import isolated_project, run_kedro
 from tests.core.model.tiny import tiny_model_for
 from tests.core.rank.test_rerank import make_world
 
@@ -47,10 +47,7 @@ def _write_inputs(project: Path) -> None:
 
 @pytest.fixture(scope="module")
 def evaluation_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    root = make_project_copy(tmp_path_factory.mktemp("evaluation_project"))
-    with pytest.MonkeyPatch.context() as patch:
-        patch.chdir(root)
-        patch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{root / 'mlflow.db'}")
+    with isolated_project(tmp_path_factory.mktemp("evaluation_project")) as root:
         _write_inputs(root)
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
