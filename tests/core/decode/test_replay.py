@@ -9,7 +9,7 @@ import torch
 from transformers import PreTrainedModel
 
 from diffusion_gr2.core.decode.decoder import DecodeConfig, DecodeOutput, decode
-from diffusion_gr2.core.decode.replay import replay_logits, replay_logprobs
+from diffusion_gr2.core.decode.replay import replay_batch_logits, replay_logits, replay_logprobs
 from diffusion_gr2.core.model.diffusion import response_logits
 from tests.core.model.tiny import MASK, random_prompts, tiny_model
 
@@ -41,6 +41,23 @@ def test_replay_reproduces_the_decoder_logprobs(model: PreTrainedModel, k: int, 
     for prompt, out in zip(PROMPTS, outputs, strict=True):
         _assert_logprobs_close(replay_logprobs(model, prompt, out, k, MASK), out)
         assert replay_logits(model, prompt, out, k, MASK).shape == (len(out.tokens), 128)
+
+
+@pytest.mark.parametrize(("k", "tau"), [(1, 0.9), (4, 0.5), (8, 0.5)])
+@torch.no_grad()
+def test_batched_replay_equals_each_rollout_alone(model: PreTrainedModel, k: int, tau: float) -> None:
+    """Prompts of different lengths, outputs of different lengths (mid-block eos, tails) in one batch."""
+    outputs = _decode_with_mid_block_eos(model, k, tau)
+    assert len({len(o.tokens) for o in outputs}) > 1  # the batch really is ragged
+    batch = replay_batch_logits(model, PROMPTS, outputs, k, MASK)
+    assert batch.shape[:2] == (len(PROMPTS), max(len(o.tokens) for o in outputs))
+    for i, (prompt, out) in enumerate(zip(PROMPTS, outputs, strict=True)):
+        r = len(out.tokens)
+        torch.testing.assert_close(
+            batch[i, :r], replay_logits(model, prompt, out, k, MASK), atol=2e-5, rtol=0
+        )
+        taken = torch.tensor(out.tokens)
+        _assert_logprobs_close(batch[i, :r].log_softmax(-1).gather(-1, taken[:, None]).squeeze(-1), out)
 
 
 def _visible_tail_case(outputs: list[DecodeOutput], k: int) -> tuple[int, int]:

@@ -54,6 +54,20 @@ def test_noisy_block_never_sees_later_blocks() -> None:
 
 
 @torch.no_grad()
+def test_noise_views_sharing_one_sequence_equal_separate_forwards() -> None:
+    """CFT's complementary views as noisy copies of one sequence give each view's own 2L logits."""
+    model = tiny_model()
+    prompt, pm, resp, rm, noisy = _batch()
+    other = torch.where(noisy == MASK, resp, MASK)  # the complementary view
+    shared = response_logits(model, prompt, resp, K, torch.stack([noisy, other], 1), pm, rm)
+    assert shared.shape[:3] == (3, 2, 10)
+    for view, canvas in enumerate((noisy, other)):
+        alone = response_logits(model, prompt, resp, K, canvas, pm, rm)
+        torch.testing.assert_close(shared[:, view][rm], alone[rm], atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(shared[:, 0][rm], shared[:, 1][rm])  # the views really differ
+
+
+@torch.no_grad()
 def test_noisy_tokens_of_a_block_change_only_that_block() -> None:
     model = tiny_model()
     prompt, pm, resp, rm, noisy = _batch()

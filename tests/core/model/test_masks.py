@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from diffusion_gr2.core.model.masks import (
@@ -64,6 +65,21 @@ def test_inference_mask_matches_plain_loop_rules() -> None:
 def test_training_mask_matches_plain_loop_rules() -> None:
     pv, rv = _padded()
     assert torch.equal(dense_mask(two_copy_layout(pv, rv, K)), _reference(pv, rv, two_copies=True))
+
+
+def test_views_noisy_copies_see_only_themselves_and_share_the_clean_copy() -> None:
+    pv, rv = _padded()
+    p, r = pv.shape[1], rv.shape[1]
+    three = dense_mask(two_copy_layout(pv, rv, K, views=2))  # [prompt | noisy 1 | noisy 2 | clean]
+    two = dense_mask(two_copy_layout(pv, rv, K))  # [prompt | noisy | clean]
+    keep = [*range(p + r), *range(p + 2 * r, p + 3 * r)]  # drop noisy copy 2
+    assert torch.equal(three[..., keep, :][..., keep], two)
+    drop_first = [*range(p), *range(p + r, p + 3 * r)]  # drop noisy copy 1
+    assert torch.equal(three[..., drop_first, :][..., drop_first], two)
+    assert not three[..., p : p + r, p + r : p + 2 * r].any()  # copy 1 never sees copy 2
+    assert not three[..., p + r : p + 2 * r, p : p + r].any()
+    with pytest.raises(ValueError, match="views"):
+        two_copy_layout(pv, rv, K, views=0)
 
 
 def test_block_size_one_is_causal_and_positions_skip_padding() -> None:

@@ -79,7 +79,9 @@ def test_tail_order_after_the_top_pick(lookup: ItemLookup, examples: list[Rerank
     for seed in range(20):
         _, ranking = analyst.propose(ex, np.random.default_rng(seed))
         rest = [c for c in ex.candidates if c != ranking[0]]
-        by_score = [ex.candidates[j] for j in np.argsort(-base, kind="stable") if ex.candidates[j] != ranking[0]]
+        by_score = [
+            ex.candidates[j] for j in np.argsort(-base, kind="stable") if ex.candidates[j] != ranking[0]
+        ]
         assert sorted(ranking) == sorted(ex.candidates)
         if tail == "prerank":
             assert list(ranking[1:]) == rest  # "promote one item": the rest keep the retriever's order

@@ -82,6 +82,10 @@ def test_crash_then_resume_equals_uninterrupted_run(tmp_path: Path) -> None:
     assert [h["loss"] for h in resumed.history] == [h["loss"] for h in ref.history]
     assert resumed.final_metrics == ref.final_metrics
 
+    at_end = train(_mlp(5), _make_batch, _mse_loss(), cfg)  # resumes at its final checkpoint: no step
+    assert at_end.resumed_from == 10 and at_end.final_metrics == ref.final_metrics
+    assert at_end.seconds == pytest.approx(resumed.seconds) and at_end.seconds > 0  # steps before the resume
+
 
 def test_weights_actually_change_and_loss_falls(tmp_path: Path) -> None:
     model = _mlp(0)

@@ -33,7 +33,7 @@ from diffusion_gr2.core.model.masks import (
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DecodeConfig", "DecodeOutput", "decode"]
+__all__ = ["DecodeConfig", "DecodeOutput", "decode", "left_pad_prompts"]
 
 
 @dataclass(frozen=True)
@@ -210,7 +210,9 @@ def _denoise_block(
         blk.nfe += need
 
 
-def _left_pad(prompts: Sequence[Sequence[int]], pad_id: int, device: torch.device) -> tuple[Tensor, Tensor]:
+def left_pad_prompts(
+    prompts: Sequence[Sequence[int]], pad_id: int, device: torch.device
+) -> tuple[Tensor, Tensor]:
     """Left-padded ids and validity `[b, p]`: every row's last prompt token sits in the last column."""
     if any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
@@ -268,7 +270,7 @@ def _decode_batch(
 ) -> list[DecodeOutput]:
     """Decode one batch of prompts; outputs in the same order."""
     k, dev = cfg.block_size, model.device
-    ids, valid = _left_pad(prompts, cfg.pad_token_id, dev)
+    ids, valid = left_pad_prompts(prompts, cfg.pad_token_id, dev)
     n_blocks = math.ceil(cfg.max_new_tokens / k)
     layout = prompt_response_layout(
         valid, torch.ones(len(prompts), n_blocks * k, dtype=torch.bool, device=dev), k

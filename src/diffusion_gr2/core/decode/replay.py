@@ -6,9 +6,11 @@ token committed at step s of block b is: prompt, clean blocks before b, and bloc
 committed at steps < s visible and the rest MASK. A block's first token (step 0) comes from the
 clean prefix, so one block-causal forward of `[prompt | response]` gives it.
 
-Cost: one clean forward (whose KV cache is then shared) plus, per block, one forward of its distinct
-step canvases stacked in a batch. Block size 1 is a single causal forward. Differentiable: call it
-with grad enabled to train through it.
+Cost, for a whole batch of rollouts: one clean forward (whose KV cache is then shared) plus, per
+block index, one forward in which each rollout's distinct step canvases of that block sit side by
+side as noisy copies (the training layout's trick: each copy sees the clean prefix and itself
+only), so the cached prefix is never duplicated per canvas. Block size 1 is a single causal forward.
+Differentiable: call it with grad enabled to train through it.
 """
 
 from __future__ import annotations
@@ -19,35 +21,102 @@ import torch
 from torch import Tensor
 from transformers import DynamicCache, PreTrainedModel
 
-from diffusion_gr2.core.decode.decoder import DecodeOutput
+from diffusion_gr2.core.decode.decoder import DecodeOutput, left_pad_prompts
 from diffusion_gr2.core.model.diffusion import cached_block_hidden, layout_hidden, lm_logits
-from diffusion_gr2.core.model.masks import prompt_response_layout
+from diffusion_gr2.core.model.masks import Layout, prompt_response_layout
 
-__all__ = ["replay_logits", "replay_logprobs"]
-
-
-def _record(output: DecodeOutput, k: int, mask_token_id: int) -> tuple[list[int], list[int]]:
-    """Tokens and steps of every block the decoder ran: output, its tail, MASK up to a full block."""
-    tokens = [*output.tokens, *output.tail_tokens]
-    steps = [*output.commit_steps, *output.tail_steps]
-    pad = -len(tokens) % k
-    return tokens + [mask_token_id] * pad, steps + [-1] * pad
+__all__ = ["replay_batch_logits", "replay_logits", "replay_logprobs"]
 
 
-def _block_canvases(tokens: Tensor, steps: Tensor, mask_token_id: int) -> Tensor:
-    """[S, k] canvases of one block from its tokens/steps [k]; row s-1 is what step s ran."""
-    s = torch.arange(1, int(steps.max()) + 1, device=steps.device)[:, None]  # [S, 1]
-    visible = (steps[None, :] >= 0) & (steps[None, :] < s)  # committed before step s
-    return torch.where(visible, tokens[None, :], mask_token_id)
+def _records(
+    outputs: Sequence[DecodeOutput], k: int, mask_token_id: int, device: torch.device
+) -> tuple[Tensor, Tensor]:
+    """Tokens and commit steps `[n, R]` of every block the decoder ran (output, then its tail).
+
+    R is a multiple of k; positions past a row's record are MASK with step -1 (never committed).
+    """
+    rows = [([*o.tokens, *o.tail_tokens], [*o.commit_steps, *o.tail_steps]) for o in outputs]
+    width = max(len(t) for t, _ in rows)
+    width += -width % k
+    tokens = torch.full((len(rows), width), mask_token_id, dtype=torch.long)
+    steps = torch.full((len(rows), width), -1, dtype=torch.long)
+    for i, (t, s) in enumerate(rows):
+        tokens[i, : len(t)], steps[i, : len(s)] = torch.tensor(t, dtype=torch.long), torch.tensor(s)
+    return tokens.to(device), steps.to(device)
 
 
-def _prefix_cache(cache: DynamicCache, n: int, rows: int) -> DynamicCache:
-    """The first `n` positions of a one-row `cache`, repeated over `rows` rows."""
-    data = [
-        (lay.keys[:, :, :n].expand(rows, -1, -1, -1), lay.values[:, :, :n].expand(rows, -1, -1, -1))
-        for lay in cache.layers
-    ]
-    return DynamicCache(ddp_cache_data=data)
+def _prefix_cache(cache: DynamicCache, n: int, rows: Tensor) -> DynamicCache:
+    """The first `n` positions of `cache`, for the batch rows `rows`."""
+    return DynamicCache(
+        ddp_cache_data=[(lay.keys[rows, :, :n], lay.values[rows, :, :n]) for lay in cache.layers]
+    )
+
+
+def _canvas_layout(layout: Layout, rows: Tensor, prefix: int, k: int, canvas_valid: Tensor) -> Layout:
+    """`[clean prefix | canvas 1 | ... | canvas S]` of the block at column `prefix`, for `rows`.
+
+    Canvas c is noisy copy c of the block (same block id and positions); `canvas_valid` [n, S] marks
+    the canvases a row really has (the others are padding, attended by nobody).
+    """
+    head = layout.head(prefix + k).rows(rows)
+    s = canvas_valid.shape[1]
+    block_cols = slice(prefix, prefix + k)
+    copy = torch.arange(1, s + 1, device=rows.device).repeat_interleave(k).expand(len(rows), -1)
+    return Layout(
+        torch.cat([head.block[:, :prefix], head.block[:, block_cols].repeat(1, s)], 1),
+        torch.cat([head.copy[:, :prefix], copy], 1),
+        torch.cat([head.valid[:, :prefix], canvas_valid.repeat_interleave(k, 1)], 1),
+        torch.cat([head.position[:, :prefix], head.position[:, block_cols].repeat(1, s)], 1),
+    )
+
+
+def replay_batch_logits(
+    model: PreTrainedModel,
+    prompts: Sequence[Sequence[int]],
+    outputs: Sequence[DecodeOutput],
+    block_size: int,
+    mask_token_id: int,
+) -> Tensor:
+    """Logits `[n, r, v]` (r = longest output): `[i, j]` is the distribution `outputs[i].tokens[j]`
+    was committed from. Rows are right-padded; logits past a row's output are meaningless."""
+    dev, k = model.device, block_size
+    lengths = torch.tensor([len(o.tokens) for o in outputs], device=dev)
+    r = int(lengths.max())
+    tokens, steps = _records(outputs, k, mask_token_id, dev)
+    prompt_ids, prompt_valid = left_pad_prompts(prompts, mask_token_id, dev)
+    p = prompt_ids.shape[1]  # every prompt ends in column p - 1
+    full = torch.ones_like(tokens, dtype=torch.bool)
+    clean_valid = torch.arange(r, device=dev) < lengths[:, None]
+    cache = DynamicCache(config=model.config)
+    clean = layout_hidden(
+        model,
+        torch.cat([prompt_ids, tokens[:, :r]], 1),
+        prompt_response_layout(prompt_valid, clean_valid, k),
+        cache,
+    )
+    hidden = clean[:, p - 1 : p + r - 1]  # [n, r, h]: the clean prefix predicts every step-0 token
+    canvas_layout = prompt_response_layout(prompt_valid, full, k)  # the decoder saw whole blocks
+    for start in range(0, r, k):
+        block_steps = steps[:, start : start + k]  # [n, k]
+        n_steps = block_steps.max(1).values  # canvases each row's block ran
+        rows = torch.nonzero((n_steps >= 1) & (lengths > start)).squeeze(1)
+        if len(rows) == 0:
+            continue
+        s_max = int(n_steps[rows].max())
+        step_of = block_steps[rows]  # [m, k]
+        s = torch.arange(1, s_max + 1, device=dev)[None, :, None]  # canvas c runs step c
+        visible = (step_of[:, None, :] >= 0) & (step_of[:, None, :] < s)  # committed before that step
+        canvases = torch.where(visible, tokens[rows, None, start : start + k], mask_token_id)  # [m, S, k]
+        canvas_valid = s[..., 0] <= n_steps[rows, None]  # [m, S]
+        lay = _canvas_layout(canvas_layout, rows, p + start, k, canvas_valid)
+        canvas_h = cached_block_hidden(
+            model, canvases.flatten(1), lay, _prefix_cache(cache, p + start, rows), full_mask=True
+        ).view(len(rows), s_max, k, -1)
+        # token j of the block, committed at step s >= 1, is predicted at position j - 1 of canvas s
+        in_output = start + torch.arange(k, device=dev) < lengths[rows, None]
+        row, j = torch.nonzero((step_of >= 1) & in_output, as_tuple=True)
+        hidden = hidden.index_put((rows[row], start + j), canvas_h[row, step_of[row, j] - 1, j - 1])
+    return lm_logits(model, hidden)
 
 
 def replay_logits(
@@ -57,32 +126,9 @@ def replay_logits(
     block_size: int,
     mask_token_id: int,
 ) -> Tensor:
-    """Logits `[r, v]`: row j is the distribution `output.tokens[j]` was committed from."""
-    dev, k, r = model.device, block_size, len(output.tokens)
-    prompt = torch.as_tensor(prompt_ids, dtype=torch.long, device=dev).view(1, -1)
-    p = prompt.shape[1]
-    rec_tokens, rec_steps = (torch.tensor(x, device=dev) for x in _record(output, k, mask_token_id))
-    ones = torch.ones(1, p + len(rec_tokens), dtype=torch.bool, device=dev)
-    layout = prompt_response_layout(ones[:, :p], ones[:, p:], k)
-    cache = DynamicCache(config=model.config)
-    clean = layout_hidden(model, torch.cat([prompt, rec_tokens[None, :r]], 1), layout.head(p + r), cache)
-    hidden = clean[0, p - 1 : p + r - 1]  # [r, h]: the clean prefix predicts every step-0 token
-    for start in range(0, r, k):
-        tokens, steps = rec_tokens[start : start + k], rec_steps[start : start + k]
-        if int(steps.max()) < 1:
-            continue
-        canvases = _block_canvases(tokens, steps, mask_token_id)  # [S, k]
-        lay = layout.head(p + start + k).rows(torch.zeros(canvases.shape[0], dtype=torch.long, device=dev))
-        canvas_h = cached_block_hidden(
-            model, canvases, lay, _prefix_cache(cache, p + start, canvases.shape[0])
-        )
-        i = torch.nonzero((steps >= 1) & (torch.arange(k, device=dev) < r - start)).squeeze(
-            1
-        )  # block positions
-        hidden = hidden.index_put(
-            (start + i,), canvas_h[steps[i] - 1, i - 1]
-        )  # position i-1 predicts token i
-    return lm_logits(model, hidden)
+    """Logits `[r, v]` of one rollout: row j is the distribution `output.tokens[j]` was committed from."""
+    prompt = torch.as_tensor(prompt_ids).view(-1).tolist()
+    return replay_batch_logits(model, [prompt], [output], block_size, mask_token_id)[0]
 
 
 def replay_logprobs(

@@ -58,21 +58,27 @@ def layout_hidden(
     return out.last_hidden_state
 
 
-def cached_block_hidden(model: PreTrainedModel, block: Tensor, layout: Layout, cache: Cache) -> Tensor:
-    """Hidden states `[b, k, h]` of `block` `[b, k]` run after the clean prefix held in `cache`.
+def cached_block_hidden(
+    model: PreTrainedModel, block: Tensor, layout: Layout, cache: Cache, full_mask: bool = False
+) -> Tensor:
+    """Hidden states `[b, q, h]` of `block` `[b, q]` run after the clean prefix held in `cache`.
 
-    `layout` covers cache + block (n + k columns). The block's keys/values are appended to `cache`
-    (crop them off again for a noisy canvas).
+    `layout` covers cache + block (n + q columns). The block's keys/values are appended to `cache`
+    (crop them off again for a noisy canvas). The decoder's single canvas sees every key, so its mask
+    is key validity alone; `full_mask` builds the predicate's mask instead, for queries that hold
+    several canvases as noisy copies (replay).
     """
-    k, impl = block.shape[1], model.config._attn_implementation
+    q, impl = block.shape[1], model.config._attn_implementation
     if impl == "flex_attention":
-        mask = flex_mask(layout, k)
+        mask = flex_mask(layout, q)
+    elif full_mask:
+        mask = attention_mask(layout, impl, model.dtype, q_len=q)
     else:  # a slice of the validity row, not a rebuilt mask: cheap on every decode step
         mask = cached_step_mask(layout.valid, impl, model.dtype)
     out = model.base_model(
         input_ids=block,
         attention_mask=mask,
-        position_ids=layout.position[:, -k:],
+        position_ids=layout.position[:, -q:],
         cache=cache,
         use_cache=True,
     )
@@ -93,14 +99,16 @@ def _last_prompt_column(prompt_valid: Tensor) -> Tensor:
     return last
 
 
-def _shift_sources(prompt_valid: Tensor, r: int, block_size: int) -> Tensor:
-    """[b, r] column whose hidden state predicts response token j (layouts of `response_logits`)."""
+def _shift_sources(prompt_valid: Tensor, r: int, block_size: int, views: int = 1) -> Tensor:
+    """[b, views, r] column whose hidden state predicts response token j (layouts of `response_logits`)."""
     b, p = prompt_valid.shape
-    j = torch.arange(r, device=prompt_valid.device).expand(b, r)
-    src = p + j - 1  # plain shift inside the response (k = 1), or inside the noisy copy (k > 1)
+    j = torch.arange(r, device=prompt_valid.device)
+    view = torch.arange(views, device=prompt_valid.device)[:, None]
+    src = p + view * r + j - 1  # plain shift inside the response (k = 1), or inside noisy copy `view`
     if block_size > 1:  # a block's first token: the clean copy's previous position
-        src = torch.where(j % block_size == 0, p + r + j - 1, src)
-    return torch.where(j == 0, _last_prompt_column(prompt_valid)[:, None], src)
+        src = torch.where(j % block_size == 0, p + views * r + j - 1, src)
+    src = src.expand(b, views, r)
+    return torch.where(j == 0, _last_prompt_column(prompt_valid)[:, None, None], src)
 
 
 def response_logits(
@@ -115,27 +123,35 @@ def response_logits(
     """Logits `[b, r, v]` with `logits[:, j]` predicting `response_ids[:, j]` (token shift).
 
     prompt_ids: [b, p] (padding on either side, given by `prompt_mask` [b, p], 1 = token);
-    response_ids, noisy_response_ids: [b, r], right-padded (`response_mask` [b, r]); logits at padded
-    positions are meaningless. Block size 1: one causal forward of `[prompt | response]`. Block size
-    k > 1: the 2L forward `[prompt | noisy | clean]`; position 0 of each noisy block is overwritten with
-    the clean token (the decoder never masks it), so callers may mask it freely.
+    response_ids: [b, r], right-padded (`response_mask` [b, r]); logits at padded positions are
+    meaningless. Block size 1: one causal forward of `[prompt | response]`. Block size k > 1: the 2L
+    forward `[prompt | noisy | clean]` of the canvas `noisy_response_ids` [b, r]; position 0 of each
+    noisy block is overwritten with the clean token (the decoder never masks it), so callers may mask
+    it freely. Several canvases of each example, [b, n, r], run as n noisy copies in one sequence that
+    shares the prompt and the clean copy, and give logits `[b, n, r, v]`.
     """
     b, p = prompt_ids.shape
     r = response_ids.shape[1]
     pv = torch.ones_like(prompt_ids, dtype=torch.bool) if prompt_mask is None else prompt_mask.bool()
     rv = torch.ones_like(response_ids, dtype=torch.bool) if response_mask is None else response_mask.bool()
+    views = 1
     if block_size == 1:
         ids, layout = torch.cat([prompt_ids, response_ids], 1), prompt_response_layout(pv, rv, 1)
     else:
         if noisy_response_ids is None:
             raise ValueError("block_size > 1 needs noisy_response_ids (the canvas the model denoises)")
-        noisy = noisy_response_ids.clone()
-        noisy[:, ::block_size] = response_ids[:, ::block_size]
-        ids, layout = torch.cat([prompt_ids, noisy, response_ids], 1), two_copy_layout(pv, rv, block_size)
+        noisy = noisy_response_ids.clone().view(b, -1, r)  # [b, views, r]
+        views = noisy.shape[1]
+        noisy[:, :, ::block_size] = response_ids[:, None, ::block_size]
+        ids = torch.cat([prompt_ids, noisy.flatten(1), response_ids], 1)
+        layout = two_copy_layout(pv, rv, block_size, views)
     hidden = layout_hidden(model, ids, layout)  # [b, l, h]
-    src = _shift_sources(pv, r, block_size)  # [b, r]
-    picked = hidden.gather(1, src[..., None].expand(b, r, hidden.shape[-1]))  # [b, r, h]
-    return lm_logits(model, picked)
+    src = _shift_sources(pv, r, block_size, views).flatten(1)  # [b, views * r]
+    picked = hidden.gather(1, src[..., None].expand(*src.shape, hidden.shape[-1]))
+    logits = lm_logits(model, picked)  # [b, views * r, v]
+    if block_size > 1 and noisy_response_ids.dim() == 3:  # type: ignore[union-attr]
+        return logits.view(b, views, r, -1)
+    return logits
 
 
 def as_block_diffusion(model: PreTrainedModel, block_size: int, mask_token_id: int | None) -> PreTrainedModel:

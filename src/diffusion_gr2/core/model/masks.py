@@ -97,19 +97,25 @@ def prompt_response_layout(prompt_valid: Tensor, response_valid: Tensor, block_s
     )
 
 
-def two_copy_layout(prompt_valid: Tensor, response_valid: Tensor, block_size: int) -> Layout:
-    """Training layout `[prompt | noisy response | clean response]` (BD3-LM 2L), shared positions.
+def two_copy_layout(prompt_valid: Tensor, response_valid: Tensor, block_size: int, views: int = 1) -> Layout:
+    """Training layout `[prompt | noisy response x views | clean response]` (BD3-LM 2L), shared positions.
 
-    prompt_valid: [b, p]; response_valid: [b, r] -> layout of length p + 2r.
+    prompt_valid: [b, p]; response_valid: [b, r] -> layout of length p + (views + 1) r. Noisy copy
+    c = 1..views sees the prompt, earlier clean blocks and its own block of copy c only, so several
+    noise views of one example share a single prompt and clean copy instead of repeating them (the
+    CFT's two complementary views cost p + 3r columns, not 2 (p + 2r)). `views=1` is the 2L layout.
     """
+    if views < 1:
+        raise ValueError(f"views must be >= 1, got {views}")
     p_block, p_pos, p_len = _prompt_parts(prompt_valid)
     r_block, r_pos = _response_parts(p_len, prompt_valid.shape[1], response_valid.shape[1], block_size)
-    copy = torch.cat([torch.zeros_like(p_block), torch.ones_like(r_block), torch.zeros_like(r_block)], 1)
+    noisy_copies = [torch.full_like(r_block, c) for c in range(1, views + 1)]
+    copy = torch.cat([torch.zeros_like(p_block), *noisy_copies, torch.zeros_like(r_block)], 1)
     return Layout(
-        torch.cat([p_block, r_block, r_block], 1),
+        torch.cat([p_block, *[r_block] * (views + 1)], 1),
         copy,
-        torch.cat([prompt_valid, response_valid, response_valid], 1),
-        torch.cat([p_pos, r_pos, r_pos], 1),
+        torch.cat([prompt_valid, *[response_valid] * (views + 1)], 1),
+        torch.cat([p_pos, *[r_pos] * (views + 1)], 1),
     )
 
 

@@ -46,10 +46,11 @@ STATE_FILE = "trainer_state.json"
 
 @dataclass
 class LoopState:
-    """The loop's own progress: optimizer steps done and one metric dict per step."""
+    """The loop's own progress: optimizer steps done, one metric dict per step, seconds spent."""
 
     step: int = 0
     history: list[dict[str, float]] = field(default_factory=list)
+    seconds: float = 0.0
 
 
 def checkpoint_dirs(root: str | Path) -> list[tuple[int, Path]]:
@@ -125,7 +126,7 @@ def save_checkpoint(
         torch.save(rng_states, tmp / "rng.pt")
         if scaler is not None:
             torch.save(scaler.state_dict(), tmp / "scaler.pt")
-        payload = {"step": state.step, "history": state.history}
+        payload = {"step": state.step, "history": state.history, "seconds": state.seconds}
         (tmp / STATE_FILE).write_text(json.dumps(payload, allow_nan=True), encoding="utf-8")
     return Path(path)
 
@@ -148,4 +149,5 @@ def load_checkpoint(
     # Our own file: the python/numpy RNG states are tuples with arrays, which weights_only refuses.
     rng_states = torch.load(path / "rng.pt", weights_only=False)
     payload = json.loads((path / STATE_FILE).read_text(encoding="utf-8"))
-    return LoopState(step=int(payload["step"]), history=list(payload["history"])), rng_states
+    state = LoopState(int(payload["step"]), list(payload["history"]), float(payload.get("seconds", 0.0)))
+    return state, rng_states

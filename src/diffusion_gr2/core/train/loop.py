@@ -13,6 +13,7 @@ import logging
 import math
 import os
 import random
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -80,6 +81,7 @@ class TrainResult:
     final_metrics: dict[str, float]
     history: list[dict[str, float]] = field(default_factory=list)
     resumed_from: int | None = None  # step of the checkpoint the run continued from
+    seconds: float = 0.0  # time spent in training steps, those before a resume included
 
 
 def seed_everything(seed: int) -> None:
@@ -296,7 +298,9 @@ def train(
         disable=not (config.progress and run.accelerator.is_local_main_process),
     )
     for step in range(state.step, config.max_steps):
+        started = time.perf_counter()
         metrics = _train_step(run, step, make_batch, loss_fn)
+        state.seconds += time.perf_counter() - started  # saved with the checkpoint: survives a resume
         state.step = step + 1
         state.history.append(metrics)
         bar.update(1)
@@ -306,4 +310,4 @@ def train(
             _checkpoint(run, root, state)
     bar.close()
     final = state.history[-1] if state.history else {}
-    return TrainResult(state.step, dict(final), list(state.history), resumed_from)
+    return TrainResult(state.step, dict(final), list(state.history), resumed_from, state.seconds)

@@ -18,7 +18,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from diffusion_gr2.core.decode.decoder import DecodeConfig, DecodeOutput, decode
-from diffusion_gr2.core.decode.replay import replay_logits
+from diffusion_gr2.core.decode.replay import replay_batch_logits
 from diffusion_gr2.core.model.diffusion import response_logits
 from diffusion_gr2.core.rank.rewards import ranking_reward
 from diffusion_gr2.core.text.parser import parse_answer
@@ -117,21 +117,22 @@ def supervised_loss(config: SupervisedConfig, mask_token_id: int | None = None) 
         ids = torch.where(roles == PADDING_ROLE, mask_token_id, ids)  # padding = mask tokens without loss
         gen = torch.Generator().manual_seed(config.seed * 1_000_003 + batch.index)
         noise = cft_noise(ids, roles, k, mask_token_id, config.eps, gen)
-        # Both complementary views in one forward: every response token is supervised once.
+        # Both complementary views in one forward, as two noisy copies sharing the prompt and the
+        # clean copy: every response token is supervised once.
         logits = response_logits(
             model,
-            batch.prompt_ids.repeat(2, 1),
-            ids.repeat(2, 1),
+            batch.prompt_ids,
+            ids,
             k,
-            torch.cat([noise.noisy_a, noise.noisy_b]),
-            batch.prompt_mask.repeat(2, 1),
-            (roles != PADDING_ROLE).repeat(2, 1),
-        )
+            torch.stack([noise.noisy_a, noise.noisy_b], 1),
+            batch.prompt_mask,
+            roles != PADDING_ROLE,
+        ).flatten(0, 1)  # [2b, r, v]: view a and view b of each row, in turn
         return weighted_token_ce(
             logits,
-            ids.repeat(2, 1),
-            roles.repeat(2, 1),
-            torch.cat([noise.loss_a, noise.loss_b]),
+            ids.repeat_interleave(2, 0),
+            roles.repeat_interleave(2, 0),
+            torch.stack([noise.loss_a, noise.loss_b], 1).flatten(0, 1),
             config.lambda_r,
             config.lambda_o,
         )
@@ -226,7 +227,7 @@ def rollout_logits(
     """[b, r, v] logits each rollout token was sampled from, under the current weights.
 
     `rows` limits the work to those rollouts (b = len(rows), r = their longest response).
-    Block size 1: one causal forward over the padded batch. k > 1: replay of the commit canvases.
+    Block size 1: one causal forward over the padded batch. k > 1: batched replay of the commit canvases.
     """
     rows = range(len(rollouts.outputs)) if rows is None else rows
     prompts, outputs = [rollouts.prompts[i] for i in rows], [rollouts.outputs[i] for i in rows]
@@ -235,11 +236,7 @@ def rollout_logits(
         return response_logits(
             model, batch.prompt_ids, batch.response_ids, 1, None, batch.prompt_mask, batch.response_mask
         )
-    per_rollout = [
-        replay_logits(model, prompt, out, rollouts.block_size, rollouts.mask_token_id)
-        for prompt, out in zip(prompts, outputs, strict=True)
-    ]
-    return torch.nn.utils.rnn.pad_sequence(per_rollout, batch_first=True)  # [b, r, v]
+    return replay_batch_logits(model, prompts, outputs, rollouts.block_size, rollouts.mask_token_id)
 
 
 def request_sampler(requests: pd.DataFrame, per_step: int, seed: int) -> Callable[[int], pd.DataFrame]:

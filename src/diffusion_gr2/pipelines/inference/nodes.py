@@ -50,5 +50,6 @@ def make_rerank_node(system: str) -> Callable[..., pd.DataFrame]:
 
 def combine_rankings(*frames: pd.DataFrame) -> dict[str, Any]:
     """All systems' rows in one frame, plus per-system decoding figures for MLflow."""
-    rankings = pd.concat(frames, ignore_index=True)
+    # AR systems have no tau (all NaN): one float dtype everywhere keeps the concatenation well defined.
+    rankings = pd.concat([f.astype({"tau": "float64"}) for f in frames], ignore_index=True)
     return {"rankings": rankings, "inference_metrics": as_metrics_history(rankings_summary(rankings))}
