@@ -67,11 +67,13 @@ def test_block_size_one_recompute_equals_cached(model: PreTrainedModel, prompts:
     assert [o.tokens for o in cached] == [o.tokens for o in full]
 
 
-@pytest.mark.parametrize(("k", "tau"), [(4, 0.9), (4, 0.5), (8, 0.3)])
+@pytest.mark.parametrize(
+    ("k", "tau", "rule"), [(4, 0.9, "prefix"), (4, 0.5, "prefix"), (8, 0.3, "prefix"), (8, 0.3, "confident")]
+)
 def test_block_cached_equals_recompute(
-    model: PreTrainedModel, prompts: list[list[int]], k: int, tau: float
+    model: PreTrainedModel, prompts: list[list[int]], k: int, tau: float, rule: str
 ) -> None:
-    cfg = DecodeConfig(block_size=k, threshold=tau, max_new_tokens=22, mask_token_id=MASK)
+    cfg = DecodeConfig(block_size=k, threshold=tau, max_new_tokens=22, mask_token_id=MASK, commit_rule=rule)
     cached = decode(model, prompts, cfg)
     full = decode(model, prompts, dataclasses.replace(cfg, recompute=True))
     for a, b in zip(cached, full, strict=True):
@@ -105,22 +107,52 @@ def test_batched_equals_one_by_one_with_rows_ending_at_different_times(
             assert len(out.tokens) == 20 and not set(out.tokens) & set(eos)
 
 
-def test_commit_rule_commits_above_tau_plus_the_most_confident() -> None:
-    conf = torch.tensor([[0.95, 0.3, 0.92, 0.6], [0.2, 0.4, 0.3, 0.99], [0.5, 0.1, 0.2, 0.3]])
-    cand = torch.tensor([[True, True, True, True], [True, True, True, False], [False, False, False, False]])
-    commit = _commit_mask(cand, conf.log(), threshold=0.9, fill=False)
-    assert commit.tolist() == [
-        [True, False, True, False],  # both above tau
-        [False, True, False, False],  # none above tau among candidates: the most confident one
-        [False, False, False, False],  # nothing left to commit in this row
-    ]
-    assert torch.equal(_commit_mask(cand, conf.log(), threshold=0.9, fill=True), cand)
+_CONF = torch.tensor(
+    [[0.95, 0.3, 0.92, 0.6], [0.2, 0.4, 0.3, 0.99], [0.1, 0.5, 0.97, 0.3], [0.1, 0.5, 0.3, 0.97], [0.5] * 4]
+)
+_CAND = torch.tensor(
+    [[True] * 4, [True, True, True, False], [False, True, True, True], [False, True, True, True], [False] * 4]
+)
+T, F = True, False
 
 
-def test_every_step_commits_and_parallel_commits_are_confident(
+@pytest.mark.parametrize(
+    ("rule", "expected"),
+    [
+        # above tau (0.9) plus the most confident candidate (Fast-dLLM v2)
+        ("confident", [[T, F, T, F], [F, T, F, F], [F, F, T, F], [F, F, F, T], [F] * 4]),
+        # above tau plus the leftmost candidate
+        ("leftmost", [[T, F, T, F], [T, F, F, F], [F, T, T, F], [F, T, F, T], [F] * 4]),
+        # the leftmost candidate and the unbroken run above tau right after it
+        ("prefix", [[T, F, F, F], [T, F, F, F], [F, T, T, F], [F, T, F, F], [F] * 4]),
+    ],
+)
+def test_commit_rules_on_hand_checked_confidences(rule: str, expected: list[list[bool]]) -> None:
+    assert _commit_mask(_CAND, _CONF.log(), threshold=0.9, fill=False, rule=rule).tolist() == expected
+    assert torch.equal(_commit_mask(_CAND, _CONF.log(), threshold=0.9, fill=True, rule=rule), _CAND)
+
+
+def test_prefix_rule_writes_each_block_left_to_right(
     model: PreTrainedModel, prompts: list[list[int]]
 ) -> None:
-    cfg = DecodeConfig(block_size=4, threshold=0.5, max_new_tokens=20, mask_token_id=MASK)
+    cfg = DecodeConfig(
+        block_size=8, threshold=0.3, max_new_tokens=24, mask_token_id=MASK, commit_rule="prefix"
+    )
+    outputs = decode(model, prompts, cfg)
+    for out in outputs:
+        for start in range(0, len(out.tokens), 8):
+            steps = out.commit_steps[start : start + 8]
+            assert steps == sorted(steps)  # never a token right of a still-masked one
+    assert sum(o.nfe for o in outputs) < sum(len(o.tokens) for o in outputs)  # and still in parallel
+    with pytest.raises(ValueError, match="commit_rule"):
+        decode(model, prompts[:1], dataclasses.replace(cfg, commit_rule="random"))
+
+
+@pytest.mark.parametrize("rule", ["confident", "prefix"])
+def test_every_step_commits_and_parallel_commits_are_confident(
+    model: PreTrainedModel, prompts: list[list[int]], rule: str
+) -> None:
+    cfg = DecodeConfig(block_size=4, threshold=0.5, max_new_tokens=20, mask_token_id=MASK, commit_rule=rule)
     for out in decode(model, prompts, cfg):
         probs = torch.tensor(out.token_logprobs).exp()
         for start in range(0, len(out.tokens), 4):
@@ -129,8 +161,10 @@ def test_every_step_commits_and_parallel_commits_are_confident(
             assert sorted(set(steps[1:])) == list(range(1, max(steps) + 1))  # progress at every step
             for s in set(steps[1:]):
                 group = [start + i for i, t in enumerate(steps) if t == s]
-                if len(group) > 1:  # several at once: all of them passed the threshold
-                    assert bool((probs[group] > 0.5).all())
+                # several at once: all passed the threshold ("prefix": all after the leftmost one)
+                above = group if rule == "confident" else group[1:]
+                if len(group) > 1:
+                    assert bool((probs[above] > 0.5).all())
 
 
 def test_step_cap_fills_the_block(model: PreTrainedModel, prompts: list[list[int]]) -> None:

@@ -22,9 +22,11 @@ def model() -> PreTrainedModel:
     return tiny_model()
 
 
-def _decode_with_mid_block_eos(model: PreTrainedModel, k: int, tau: float) -> list[DecodeOutput]:
+def _decode_with_mid_block_eos(
+    model: PreTrainedModel, k: int, tau: float, rule: str = "confident"
+) -> list[DecodeOutput]:
     """Rows ending at an eos inside a block (so the final block has a tail), and one without eos."""
-    cfg = DecodeConfig(block_size=k, threshold=tau, max_new_tokens=24, mask_token_id=MASK)
+    cfg = DecodeConfig(block_size=k, threshold=tau, max_new_tokens=24, mask_token_id=MASK, commit_rule=rule)
     free = decode(model, PROMPTS, cfg)
     eos = (free[0].tokens[k + 1], free[2].tokens[min(2 * k + 2, 21)])
     return decode(model, PROMPTS, dataclasses.replace(cfg, eos_token_ids=eos))
@@ -34,10 +36,21 @@ def _assert_logprobs_close(got: torch.Tensor, out: DecodeOutput) -> None:
     torch.testing.assert_close(got, torch.tensor(out.token_logprobs), atol=2e-5, rtol=0)
 
 
-@pytest.mark.parametrize(("k", "tau"), [(1, 0.9), (4, 0.9), (4, 0.5), (8, 0.5)])
+@pytest.mark.parametrize(
+    ("k", "tau", "rule"),
+    [
+        (1, 0.9, "prefix"),
+        (4, 0.9, "confident"),
+        (4, 0.5, "confident"),
+        (8, 0.5, "confident"),
+        (8, 0.3, "prefix"),
+    ],
+)
 @torch.no_grad()
-def test_replay_reproduces_the_decoder_logprobs(model: PreTrainedModel, k: int, tau: float) -> None:
-    outputs = _decode_with_mid_block_eos(model, k, tau)
+def test_replay_reproduces_the_decoder_logprobs(
+    model: PreTrainedModel, k: int, tau: float, rule: str
+) -> None:
+    outputs = _decode_with_mid_block_eos(model, k, tau, rule)
     for prompt, out in zip(PROMPTS, outputs, strict=True):
         _assert_logprobs_close(replay_logprobs(model, prompt, out, k, MASK), out)
         assert replay_logits(model, prompt, out, k, MASK).shape == (len(out.tokens), 128)
@@ -75,7 +88,11 @@ def _visible_tail_case(outputs: list[DecodeOutput], k: int) -> tuple[int, int]:
 
 @torch.no_grad()
 def test_replay_needs_the_tail_of_the_final_block(model: PreTrainedModel) -> None:
-    cfg = DecodeConfig(block_size=8, threshold=0.5, max_new_tokens=24, mask_token_id=MASK)
+    # "confident" commits out of order (the "prefix" rule writes left to right: no token after the
+    # eos is ever seen by an earlier one)
+    cfg = DecodeConfig(
+        block_size=8, threshold=0.5, max_new_tokens=24, mask_token_id=MASK, commit_rule="confident"
+    )
     row, eos = _visible_tail_case(decode(model, PROMPTS, cfg), 8)
     out = decode(model, PROMPTS[row : row + 1], dataclasses.replace(cfg, eos_token_ids=(eos,)))[0]
     assert out.tokens[-1] == eos and any(s > 0 for s in out.tail_steps)

@@ -2,11 +2,19 @@
 
 Fast-dLLM v2 style: the prompt is prefilled once; its last logit gives the first response token.
 Per block: the canvas `[first token, MASK x (k-1)]` is run against the cached prefix, one forward per
-step; each step commits every masked position whose probability exceeds tau plus the single most
-confident one (guarantees progress -- Fast-dLLM v2); after `max_steps_per_block` steps the rest is
-filled. The finished block is run once more to write its keys/values (the cache only ever holds clean
-blocks, so it is exact) and its last logit gives the next block's first token. Block size 1 is plain
-greedy/sampled AR decoding with a KV cache, one forward per token.
+step; each step commits masked positions by the commit rule (below); after `max_steps_per_block` steps
+the rest is filled. The finished block is run once more to write its keys/values (the cache only ever
+holds clean blocks, so it is exact) and its last logit gives the next block's first token. Block size 1
+is plain greedy/sampled AR decoding with a KV cache, one forward per token.
+
+Commit rules (`DecodeConfig.commit_rule`), each step, among the block's masked positions:
+* `confident` (Fast-dLLM v2): every position above tau, plus the most confident one.
+* `leftmost`: every position above tau, plus the leftmost one.
+* `prefix` (default): the leftmost one, plus the unbroken run right after it that is above tau, so a
+  block is written left to right, several tokens per forward where the model is sure. On our
+  AR-converted models this kept far more outputs valid at the same tau and about the same tokens per
+  forward (cft, tau 0.9, 151 test requests: 35.8% valid, 1.43 tokens/forward, against 6.6% and 1.48
+  for `confident`): a confident token far right of the written text is where parallel decoding breaks.
 
 Batching: prompts are left-padded (with matching position ids and masks) and all rows of a batch
 decode the same block together; a row that finished its block waits (it is neither changed nor
@@ -33,7 +41,9 @@ from diffusion_gr2.core.model.masks import (
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DecodeConfig", "DecodeOutput", "decode", "left_pad_prompts"]
+__all__ = ["COMMIT_RULES", "DecodeConfig", "DecodeOutput", "decode", "left_pad_prompts"]
+
+COMMIT_RULES = ("prefix", "confident", "leftmost")
 
 
 @dataclass(frozen=True)
@@ -42,6 +52,7 @@ class DecodeConfig:
 
     block_size: int = 1  # k; 1 = autoregressive
     threshold: float = 0.9  # tau: commit masked positions whose probability exceeds it (Fast-dLLM v2)
+    commit_rule: str = "prefix"  # which masked positions a step commits: see COMMIT_RULES / the module doc
     max_new_tokens: int = 256  # per row, end-of-output token included
     max_steps_per_block: int | None = None  # None -> block_size (k - 1 steps always suffice)
     do_sample: bool = False  # False = arg-max
@@ -141,13 +152,20 @@ def _choose(logits: Tensor, cfg: DecodeConfig, gen: torch.Generator) -> tuple[Te
     return tokens, logp.gather(-1, tokens[..., None]).squeeze(-1)
 
 
-def _commit_mask(cand: Tensor, logp: Tensor, threshold: float, fill: bool) -> Tensor:
-    """[b, m] positions to commit among candidates `cand`: above tau, plus the most confident one."""
+def _commit_mask(cand: Tensor, logp: Tensor, threshold: float, fill: bool, rule: str) -> Tensor:
+    """[b, m] positions to commit among the masked candidates `cand` under commit rule `rule`.
+
+    Every rule commits at least one position per row with a candidate (guarantees progress).
+    """
     if fill:  # step cap reached: fill every remaining position
         return cand
     conf = logp.exp().masked_fill(~cand, -1.0)
-    best = torch.zeros_like(cand).scatter_(1, conf.argmax(1, keepdim=True), True)
-    return cand & ((conf > threshold) | best)
+    # argmax returns the first maximum: over `cand` itself that is the leftmost masked position
+    extra = (conf if rule == "confident" else cand.to(conf.dtype)).argmax(1, keepdim=True)
+    chosen = (conf > threshold) | torch.zeros_like(cand).scatter_(1, extra, True)
+    if rule == "prefix":  # only the unbroken run of chosen positions from the leftmost masked one
+        chosen = (chosen | ~cand).long().cumprod(1).bool()
+    return cand & chosen
 
 
 def _relevant(block: Tensor, masked: Tensor, limit: int, eos: Tensor) -> Tensor:
@@ -206,7 +224,8 @@ def _denoise_block(
         logits = runner.step(blk.tokens)[:, :-1]  # [b, k-1, v]: position i-1 predicts token i
         tokens, logps = _choose(logits, cfg, gen)
         cand = blk.masked[:, 1:] & need[:, None]
-        blk.apply(_commit_mask(cand, logps, cfg.threshold, step == max_steps), tokens, logps, step)
+        commit = _commit_mask(cand, logps, cfg.threshold, step == max_steps, cfg.commit_rule)
+        blk.apply(commit, tokens, logps, step)
         blk.nfe += need
 
 
@@ -310,6 +329,8 @@ def decode(
     """
     if config.block_size > 1 and config.mask_token_id is None:
         raise ValueError("block_size > 1 needs mask_token_id")
+    if config.commit_rule not in COMMIT_RULES:
+        raise ValueError(f"commit_rule must be one of {COMMIT_RULES}, got {config.commit_rule!r}")
     gen = torch.Generator(device=model.device).manual_seed(config.seed)
     order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
     outputs: list[DecodeOutput | None] = [None] * len(prompts)

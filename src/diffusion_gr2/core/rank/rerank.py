@@ -77,6 +77,7 @@ class RerankConfig:
     max_new_tokens: int = 256  # reasoning (~130 tokens in the paper) + a 10-SID JSON answer
     batch_size: int = 16  # rows decoded together
     max_steps_per_block: int | None = None  # None -> block size (the decoder's default cap)
+    commit_rule: str = DecodeConfig.commit_rule  # diffusion systems: which positions a step commits
     device: str = "auto"  # "auto" = cuda when available, else cpu
 
 
@@ -118,6 +119,7 @@ def decode_config_for(
         threshold=threshold,
         max_new_tokens=config.max_new_tokens,
         max_steps_per_block=config.max_steps_per_block,
+        commit_rule=config.commit_rule,
         eos_token_ids=_eos_ids(tokenizer),
         mask_token_id=mask_id,
         pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0,

@@ -149,6 +149,9 @@ class RolloutConfig:
     group_size: int = 8  # rollouts per request (G; OPD uses 4)
     temperature: float = 1.0  # sampling temperature of rollouts
     threshold: float = 0.9  # tau for block-diffusion rollouts
+    commit_rule: str = (
+        DecodeConfig.commit_rule
+    )  # as at inference: rollouts decode the way the model is served
     max_new_tokens: int = 192
     alpha: float = 0.2  # conditional format reward (GR2)
     seed: int = 0
@@ -179,6 +182,7 @@ def rollout_decode_config(
     return DecodeConfig(
         block_size=policy_block_size(model),
         threshold=config.threshold,
+        commit_rule=config.commit_rule,
         max_new_tokens=config.max_new_tokens,
         do_sample=True,
         temperature=config.temperature,
