@@ -110,6 +110,9 @@ def test_decode_config_for_reads_model_and_tokenizer(world) -> None:
     assert cfg.eos_token_ids == (tokenizer.convert_tokens_to_ids(IM_END),)
     assert (cfg.pad_token_id, cfg.max_new_tokens, cfg.batch_size) == (tokenizer.pad_token_id, 40, 3)
     assert decode_config_for(diffusion, tokenizer, None, RerankConfig()).block_size == 1  # AR: no tau
+    assert cfg.commit_rule == "prefix"  # the served default ...
+    paper_rule = RerankConfig(commit_rule="confident")  # ... and the parameter reaches the decoder
+    assert decode_config_for(diffusion, tokenizer, 0.6, paper_rule).commit_rule == "confident"
     with pytest.raises(ValueError, match="block_size"):
         decode_config_for(tiny_model_for(tokenizer), tokenizer, 0.9, RerankConfig())
 

@@ -29,6 +29,7 @@ from diffusion_gr2.core.train.stages import (
     grpo_loss,
     opd_batches,
     opd_loss,
+    rollout_decode_config,
     rollout_logits,
     sample_rollouts,
     supervised_loss,
@@ -86,11 +87,12 @@ def test_cft_with_block_size_one_is_sft(task: dict) -> None:
     assert torch.allclose(loss_sft, loss_b1)
 
 
-@pytest.mark.parametrize("block_size", [1, 4])
-def test_rollouts_are_scored_and_replayed(task: dict, block_size: int) -> None:
+@pytest.mark.parametrize(("block_size", "rule"), [(1, "prefix"), (4, "prefix"), (4, "confident")])
+def test_rollouts_are_scored_and_replayed(task: dict, block_size: int, rule: str) -> None:
     tok = task["tokenizer"]
     model = tiny_model_for(tok, block_size if block_size > 1 else None)
-    config = RolloutConfig(group_size=2, max_new_tokens=24, threshold=0.5)
+    config = RolloutConfig(group_size=2, max_new_tokens=24, threshold=0.5, commit_rule=rule)
+    assert rollout_decode_config(model, tok, config, seed=0).commit_rule == rule  # rollouts decode as served
     rollouts = sample_rollouts(model, tok, task["requests"].head(2), config, seed=0)
     assert rollouts.rewards.shape == (2, 2)
     # An untrained model writes no valid JSON ranking: every reward is the invalid-output -1.
