@@ -134,7 +134,7 @@ def response_logits(
     r = response_ids.shape[1]
     pv = torch.ones_like(prompt_ids, dtype=torch.bool) if prompt_mask is None else prompt_mask.bool()
     rv = torch.ones_like(response_ids, dtype=torch.bool) if response_mask is None else response_mask.bool()
-    views = 1
+    views, stacked = 1, noisy_response_ids is not None and noisy_response_ids.dim() == 3
     if block_size == 1:
         ids, layout = torch.cat([prompt_ids, response_ids], 1), prompt_response_layout(pv, rv, 1)
     else:
@@ -149,9 +149,7 @@ def response_logits(
     src = _shift_sources(pv, r, block_size, views).flatten(1)  # [b, views * r]
     picked = hidden.gather(1, src[..., None].expand(*src.shape, hidden.shape[-1]))
     logits = lm_logits(model, picked)  # [b, views * r, v]
-    if block_size > 1 and noisy_response_ids.dim() == 3:  # type: ignore[union-attr]
-        return logits.view(b, views, r, -1)
-    return logits
+    return logits.view(b, views, r, -1) if block_size > 1 and stacked else logits
 
 
 def as_block_diffusion(model: PreTrainedModel, block_size: int, mask_token_id: int | None) -> PreTrainedModel:

@@ -149,9 +149,8 @@ class RolloutConfig:
     group_size: int = 8  # rollouts per request (G; OPD uses 4)
     temperature: float = 1.0  # sampling temperature of rollouts
     threshold: float = 0.9  # tau for block-diffusion rollouts
-    commit_rule: str = (
-        DecodeConfig.commit_rule
-    )  # as at inference: rollouts decode the way the model is served
+    # as at inference: rollouts decode the way the model is served
+    commit_rule: str = DecodeConfig.commit_rule
     max_new_tokens: int = 192
     alpha: float = 0.2  # conditional format reward (GR2)
     seed: int = 0
