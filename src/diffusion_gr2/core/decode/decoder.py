@@ -16,6 +16,15 @@ Commit rules (`DecodeConfig.commit_rule`), each step, among the block's masked p
   forward (cft, tau 0.9, 151 test requests: 35.8% valid, 1.43 tokens/forward, against 6.6% and 1.48
   for `confident`): a confident token far right of the written text is where parallel decoding breaks.
 
+Constraints (`decode(..., constraints=...)`, one `TokenConstraint` per prompt, e.g. the answer
+grammar of `grammar.py`): a token is only committed when its row's constraint allows it. The model's
+own probability still decides how many tokens a step commits; the constraint only ever takes commits
+away: a disallowed arg-max is replaced by the best allowed token where a commit is due (the leftmost
+masked position, the step cap, AR), and ends the step's run anywhere else. Each such correction is
+counted in `DecodeOutput.forced`, so an output with `forced == 0` is token for token what
+unconstrained greedy decoding gives. Needs the `prefix` rule: only there is every committed token's
+left context committed, which is what the constraint reads.
+
 Batching: prompts are left-padded (with matching position ids and masks) and all rows of a batch
 decode the same block together; a row that finished its block waits (it is neither changed nor
 charged a forward), and rows that reached the end of output leave the batch.
@@ -32,6 +41,7 @@ import torch
 from torch import Tensor
 from transformers import PreTrainedModel
 
+from diffusion_gr2.core.decode.grammar import TokenConstraint
 from diffusion_gr2.core.decode.kv_cache import buffer_cache
 from diffusion_gr2.core.model.diffusion import cached_block_hidden, layout_hidden, lm_logits
 from diffusion_gr2.core.model.masks import (
@@ -77,6 +87,7 @@ class DecodeOutput:
     # commit steps (-1 = never). Tokens committed there were visible to later commits; replay needs them.
     tail_tokens: list[int] = field(default_factory=list)
     tail_steps: list[int] = field(default_factory=list)
+    forced: int = 0  # commits a constraint corrected (0 = exactly the unconstrained greedy output)
 
 
 class _CachedRunner:
@@ -152,6 +163,62 @@ def _choose(logits: Tensor, cfg: DecodeConfig, gen: torch.Generator) -> tuple[Te
     return tokens, logp.gather(-1, tokens[..., None]).squeeze(-1)
 
 
+def _constrain_commits(
+    constraints: Sequence[TokenConstraint | None],
+    logits: Tensor,
+    tokens: Tensor,
+    logps: Tensor,
+    commit: Tensor,
+    budgets: Sequence[int],
+    must_commit: bool,
+    cfg: DecodeConfig,
+    gen: torch.Generator,
+) -> list[int]:
+    """Make the commits `commit` [b, m] obey each row's constraint; in place, corrections per row.
+
+    `logits` [b, m, v] and `tokens`/`logps` [b, m] are the step's choices; under the `prefix` rule a
+    row's commits are one run, walked left to right through its constraint (`budgets[i]` = tokens the
+    row may still write at position 0). A disallowed token is replaced by the best allowed one where a
+    commit is due (the run's first position, or every position when `must_commit`) and cuts the run
+    elsewhere. Log-probs become those of the constrained (renormalised) distribution.
+    """
+    forced = [0] * len(constraints)
+    token_list = tokens.tolist()
+    runs = {i: commit[i].nonzero().flatten().tolist() for i, c in enumerate(constraints) if c is not None}
+    n = 0  # the n-th commit of every row's run is checked together: one batched pass per column
+    while runs := {i: run for i, run in runs.items() if n < len(run)}:
+        rows, cols, masks = [], [], []
+        for i, run in runs.items():
+            allowed = constraints[i].allowed(budgets[i] - run[n])  # type: ignore[union-attr]
+            if allowed is None:  # any token: nothing to correct, the log-prob stays the model's
+                constraints[i].advance(token_list[i][run[n]])  # type: ignore[union-attr]
+            else:
+                rows.append(i), cols.append(run[n]), masks.append(allowed)
+        if rows:
+            r, c = torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device)
+            allowed = torch.stack(masks).to(logits.device)  # [r, v]
+            chosen = tokens[r, c]
+            bad = ~allowed.gather(1, chosen[:, None]).squeeze(1)
+            if bool(bad.any()):  # the best allowed token instead (used only where a commit is due)
+                chosen[bad] = _choose(logits[r[bad], c[bad]].masked_fill(~allowed[bad], -math.inf), cfg, gen)[
+                    0
+                ]
+            x = logits[r, c].float() / (cfg.temperature if cfg.do_sample else 1.0)
+            logps[r, c] = x.gather(1, chosen[:, None]).squeeze(1) - torch.logsumexp(
+                x.masked_fill(~allowed, -math.inf), -1
+            )
+            for i, j, token, corrected in zip(rows, cols, chosen.tolist(), bad.tolist(), strict=True):
+                forced[i] += corrected
+                if corrected and n > 0 and not must_commit:  # not due here: end the run before it
+                    commit[i, j:] = False
+                    del runs[i]
+                    continue
+                tokens[i, j] = token
+                constraints[i].advance(token)  # type: ignore[union-attr]
+        n += 1
+    return forced
+
+
 def _commit_mask(cand: Tensor, logp: Tensor, threshold: float, fill: bool, rule: str) -> Tensor:
     """[b, m] positions to commit among the masked candidates `cand` under commit rule `rule`.
 
@@ -184,6 +251,7 @@ class _Block:
     logps: Tensor
     masked: Tensor
     nfe: Tensor  # [b] step forwards each row needed
+    forced: Tensor  # [b] commits a constraint corrected
 
     @classmethod
     def start(cls, first: Tensor, first_logp: Tensor, k: int, mask_id: int) -> _Block:
@@ -196,7 +264,8 @@ class _Block:
         logps[:, 0] = first_logp
         masked = torch.ones(b, k, dtype=torch.bool, device=dev)
         masked[:, 0] = False
-        return cls(tokens, steps, logps, masked, torch.zeros(b, dtype=torch.long, device=dev))
+        zeros = torch.zeros(b, dtype=torch.long, device=dev)
+        return cls(tokens, steps, logps, masked, zeros, zeros.clone())
 
     def apply(self, commit: Tensor, tokens: Tensor, logps: Tensor, step: int) -> None:
         """Commit positions 1..k-1 where `commit` [b, k-1] is set."""
@@ -213,8 +282,13 @@ def _denoise_block(
     limit: int,
     eos: Tensor,
     gen: torch.Generator,
+    constraints: Sequence[TokenConstraint | None] | None,
+    budgets: Sequence[int],
 ) -> None:
-    """Unmask `blk` step by step; rows whose relevant positions are all committed stop taking part."""
+    """Unmask `blk` step by step; rows whose relevant positions are all committed stop taking part.
+
+    With `constraints`, `budgets[i]` is what row i may still write at the block's position 0.
+    """
     k = blk.tokens.shape[1]
     max_steps = cfg.max_steps_per_block or k
     for step in range(1, max_steps + 1):
@@ -225,6 +299,19 @@ def _denoise_block(
         tokens, logps = _choose(logits, cfg, gen)
         cand = blk.masked[:, 1:] & need[:, None]
         commit = _commit_mask(cand, logps, cfg.threshold, step == max_steps, cfg.commit_rule)
+        if constraints is not None:
+            fixes = _constrain_commits(
+                constraints,
+                logits,
+                tokens,
+                logps,
+                commit,
+                [b - 1 for b in budgets],
+                step == max_steps,
+                cfg,
+                gen,
+            )
+            blk.forced += torch.tensor(fixes, device=blk.forced.device)
         blk.apply(commit, tokens, logps, step)
         blk.nfe += need
 
@@ -254,6 +341,7 @@ class _Record:
     nfe: int = 1  # the prefill
     tail_tokens: list[int] = field(default_factory=list)
     tail_steps: list[int] = field(default_factory=list)
+    forced: int = 0
 
     def add_block(
         self, tokens: list[int], steps: list[int], logps: list[float], limit: int, eos: set[int]
@@ -268,7 +356,9 @@ class _Record:
         return cut is not None
 
     def output(self) -> DecodeOutput:
-        return DecodeOutput(self.tokens, self.steps, self.nfe, self.logps, self.tail_tokens, self.tail_steps)
+        return DecodeOutput(
+            self.tokens, self.steps, self.nfe, self.logps, self.tail_tokens, self.tail_steps, self.forced
+        )
 
 
 def _record_block(
@@ -276,18 +366,41 @@ def _record_block(
 ) -> list[int]:
     """Store each active row's block; returns the batch positions of the rows that continue."""
     tokens, steps, logps, nfe = blk.tokens.tolist(), blk.steps.tolist(), blk.logps.tolist(), blk.nfe.tolist()
+    forced = blk.forced.tolist()
     keep = []
     for i, r in enumerate(active):
         records[r].nfe += nfe[i]
+        records[r].forced += forced[i]
         if not records[r].add_block(tokens[i], steps[i], logps[i], limit, eos) and not last_block:
             keep.append(i)
     return keep
 
 
+def _first_tokens(
+    last: Tensor,
+    cfg: DecodeConfig,
+    gen: torch.Generator,
+    constraints: Sequence[TokenConstraint | None] | None,
+    budgets: Sequence[int],
+) -> tuple[Tensor, Tensor, list[int]]:
+    """Each row's next block's first token from `last` [b, v]: tokens, log-probs, corrections."""
+    tokens, logps = _choose(last, cfg, gen)
+    if constraints is None:
+        return tokens, logps, [0] * len(tokens)
+    tokens, logps = tokens[:, None], logps[:, None]
+    commit = torch.ones_like(tokens, dtype=torch.bool)
+    forced = _constrain_commits(constraints, last[:, None], tokens, logps, commit, budgets, True, cfg, gen)
+    return tokens[:, 0], logps[:, 0], forced
+
+
 def _decode_batch(
-    model: PreTrainedModel, prompts: Sequence[Sequence[int]], cfg: DecodeConfig, gen: torch.Generator
+    model: PreTrainedModel,
+    prompts: Sequence[Sequence[int]],
+    cfg: DecodeConfig,
+    gen: torch.Generator,
+    constraints: Sequence[TokenConstraint] | None = None,
 ) -> list[DecodeOutput]:
-    """Decode one batch of prompts; outputs in the same order."""
+    """Decode one batch of prompts (each with its own constraint when given); outputs in order."""
     k, dev = cfg.block_size, model.device
     ids, valid = left_pad_prompts(prompts, cfg.pad_token_id, dev)
     n_blocks = math.ceil(cfg.max_new_tokens / k)
@@ -301,9 +414,13 @@ def _decode_batch(
     last = runner.prefill()  # [b, v]
     for b_idx in range(n_blocks):
         limit = min(k, cfg.max_new_tokens - b_idx * k)
-        blk = _Block.start(*_choose(last, cfg, gen), k, cfg.mask_token_id if k > 1 else cfg.pad_token_id)
+        rows = None if constraints is None else [constraints[r] for r in active]
+        budgets = [cfg.max_new_tokens - len(records[r].tokens) for r in active]
+        first, first_logp, forced = _first_tokens(last, cfg, gen, rows, budgets)
+        blk = _Block.start(first, first_logp, k, cfg.mask_token_id if k > 1 else cfg.pad_token_id)
+        blk.forced += torch.tensor(forced, device=dev)
         if k > 1:
-            _denoise_block(runner, blk, cfg, limit, eos_t, gen)
+            _denoise_block(runner, blk, cfg, limit, eos_t, gen, rows, budgets)
         keep = _record_block(records, active, blk, limit, eos, last_block=b_idx == n_blocks - 1)
         if not keep:
             break
@@ -320,23 +437,37 @@ def _decode_batch(
 
 @torch.inference_mode()
 def decode(
-    model: PreTrainedModel, prompts: Sequence[Sequence[int]], config: DecodeConfig
+    model: PreTrainedModel,
+    prompts: Sequence[Sequence[int]],
+    config: DecodeConfig,
+    constraints: Sequence[TokenConstraint] | None = None,
 ) -> list[DecodeOutput]:
     """Decode every prompt (token ids) with `model`; one `DecodeOutput` per prompt, in order.
 
     Prompts are batched `config.batch_size` at a time, longest first (less left padding); greedy
-    results do not depend on the batching.
+    results do not depend on the batching. `constraints` (one per prompt, copied, never mutated)
+    restrict what each row may write (module doc).
     """
     if config.block_size > 1 and config.mask_token_id is None:
         raise ValueError("block_size > 1 needs mask_token_id")
     if config.commit_rule not in COMMIT_RULES:
         raise ValueError(f"commit_rule must be one of {COMMIT_RULES}, got {config.commit_rule!r}")
+    if constraints is not None:
+        if len(constraints) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(constraints)} constraints")
+        if config.block_size > 1 and config.commit_rule != "prefix":
+            raise ValueError(
+                "constrained decoding needs commit_rule='prefix' (a constraint reads the committed "
+                f"tokens left of the one it checks), got {config.commit_rule!r}"
+            )
     gen = torch.Generator(device=model.device).manual_seed(config.seed)
     order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
     outputs: list[DecodeOutput | None] = [None] * len(prompts)
     for start in range(0, len(order), config.batch_size):
         chunk = order[start : start + config.batch_size]
-        for i, out in zip(chunk, _decode_batch(model, [prompts[i] for i in chunk], config, gen), strict=True):
+        rows = None if constraints is None else [constraints[i].copy() for i in chunk]
+        decoded = _decode_batch(model, [prompts[i] for i in chunk], config, gen, rows)
+        for i, out in zip(chunk, decoded, strict=True):
             outputs[i] = out
     logger.debug("decoded %d prompts with block size %d", len(prompts), config.block_size)
     return outputs  # type: ignore[return-value]

@@ -4,7 +4,8 @@ Every system decodes the same prompts with the same decoder; only the block size
 threshold tau differ. Throughput counts OUTPUT tokens only (the end-of-output token included, never
 prompt tokens: a pain point of published numbers). Latency is per request at batch 1 and per batch
 otherwise. A batch is always full: when there are fewer prompts than the batch size they are cycled,
-so batch 16 really decodes 16 rows together. Each setting is warmed up before it is timed (allocator,
+so batch 16 really decodes 16 rows together. Systems decode as they are served: under each request's
+answer grammar when `RerankConfig.constrained` (its per-token cost is in the figures). Each setting is warmed up before it is timed (allocator,
 kernel selection, caches), and the device is synchronised before the clock is read.
 
 NFE counts the forward passes a row took part in (prefill included), so tokens per forward is
@@ -19,7 +20,7 @@ import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import pandas as pd
@@ -28,9 +29,11 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from diffusion_gr2.core.decode.decoder import DecodeConfig, decode
+from diffusion_gr2.core.decode.grammar import TokenConstraint
 from diffusion_gr2.core.rank.rerank import AR_SYSTEMS, RerankConfig, decode_config_for
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 __all__ = [
     "BENCHMARK_KEYS",
@@ -102,12 +105,12 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def full_batches(prompts: Sequence[Sequence[int]], batch_size: int) -> list[list[list[int]]]:
-    """`ceil(n / batch_size)` batches of exactly `batch_size` prompts, cycling through `prompts`."""
-    if not prompts:
+def full_batches(items: Sequence[T], batch_size: int) -> list[list[T]]:
+    """`ceil(n / batch_size)` batches of exactly `batch_size` items (prompts), cycling through `items`."""
+    if not items:
         raise ValueError("the benchmark needs at least one prompt")
-    n_batches = math.ceil(len(prompts) / batch_size)
-    flat = [list(prompts[i % len(prompts)]) for i in range(n_batches * batch_size)]
+    n_batches = math.ceil(len(items) / batch_size)
+    flat = [items[i % len(items)] for i in range(n_batches * batch_size)]
     return [flat[i : i + batch_size] for i in range(0, len(flat), batch_size)]
 
 
@@ -117,15 +120,20 @@ def time_calls(
     config: DecodeConfig,
     warmup: int,
     clock: Callable[[], float] = time.perf_counter,
+    constraints: Sequence[Sequence[TokenConstraint]] | None = None,
 ) -> list[Call]:
-    """Decode each batch in one `decode` call and time it, after `warmup` untimed calls on the first."""
+    """Decode each batch in one `decode` call and time it, after `warmup` untimed calls on the first.
+
+    `constraints[i]`, when given, are the per-prompt constraints of `batches[i]`.
+    """
+    rows = constraints if constraints is not None else [None] * len(batches)
     for _ in range(warmup):
-        decode(model, batches[0], config)
+        decode(model, batches[0], config, rows[0])
     _synchronize(model.device)
     calls = []
-    for batch in batches:
+    for batch, batch_rows in zip(batches, rows, strict=True):
         start = clock()
-        outputs = decode(model, batch, config)
+        outputs = decode(model, batch, config, batch_rows)
         _synchronize(model.device)
         latency = clock() - start
         calls.append(Call(latency, [len(o.tokens) for o in outputs], [o.nfe for o in outputs]))
@@ -179,8 +187,15 @@ def run_benchmark(
     decoding: RerankConfig,
     config: BenchmarkConfig,
     clock: Callable[[], float] = time.perf_counter,
+    grammars: Sequence[TokenConstraint] | None = None,
 ) -> BenchmarkResult:
-    """Time every (system, tau, batch size) on `prompts`; models must already sit on their device."""
+    """Time every (system, tau, batch size) on `prompts`; models must already sit on their device.
+
+    With `decoding.constrained`, every system decodes under `grammars` (one per prompt), as served.
+    """
+    if decoding.constrained and (grammars is None or len(grammars) != len(prompts)):
+        raise ValueError("decoding.constrained needs one grammar per prompt (rerank.request_grammars)")
+    prompt_lists = [list(p) for p in prompts]
     if config.reference not in models:
         logger.warning("reference system %s is not benchmarked: no speed-ups", config.reference)
     settings = [(s, t, b) for s, t in _settings(models, config) for b in config.batch_sizes]
@@ -188,7 +203,9 @@ def run_benchmark(
     for system, tau, batch_size in tqdm(settings, desc="benchmark", unit="setting"):
         model = models[system]
         cfg = decode_config_for(model, tokenizer, tau, replace(decoding, batch_size=batch_size))
-        calls = time_calls(model, full_batches(prompts, batch_size), cfg, config.warmup, clock)
+        constraints = full_batches(list(grammars), batch_size) if decoding.constrained and grammars else None
+        batches = full_batches(prompt_lists, batch_size)
+        calls = time_calls(model, batches, cfg, config.warmup, clock, constraints)
         rows.append(summarize(system, tau, batch_size, calls, describe_device(model.device)))
         if batch_size == 1:
             samples += _samples(system, tau, calls)

@@ -31,7 +31,17 @@ __all__ = [
     "user_values",
 ]
 
-METRICS = ("recall@1", "recall@3", "recall@5", "ndcg@3", "ndcg@5", "mrr", "valid_rate", "fallback_rate")
+METRICS = (
+    "recall@1",
+    "recall@3",
+    "recall@5",
+    "ndcg@3",
+    "ndcg@5",
+    "mrr",
+    "valid_rate",
+    "unforced_rate",
+    "fallback_rate",
+)
 _CHUNK_ELEMENTS = 4_000_000  # bootstrap/catalog work is chunked to bound memory (~32 MB of float64)
 
 
@@ -84,11 +94,14 @@ def user_values(frame: pd.DataFrame | Iterable[Mapping[str, Any]]) -> dict[str, 
 
     Rows need ``target``, ``ranking`` (after fallback) and ``valid``; an invalid output is served the
     pre-rank order, so ``fallback_rate`` is the share of invalid rows, and a row without a ranking is
-    ranked by its ``prerank`` when present.
+    ranked by its ``prerank`` when present. ``unforced_rate`` is the share of valid rows that a
+    decoding constraint never corrected (``forced`` = 0, the default when the column is absent): the
+    model's own valid-output rate, which equals ``valid_rate`` for unconstrained decoding.
     """
     rows = _rows(frame)
     ranks = np.array([target_rank(_final_ranking(r), r["target"]) for r in rows], dtype=np.int64)
     valid = np.array([bool(r["valid"]) for r in rows], dtype=np.float64)
+    unforced = np.array([bool(r["valid"]) and not r.get("forced", 0) for r in rows], dtype=np.float64)
     return {
         "recall@1": recall_at_k(ranks, 1),
         "recall@3": recall_at_k(ranks, 3),
@@ -97,6 +110,7 @@ def user_values(frame: pd.DataFrame | Iterable[Mapping[str, Any]]) -> dict[str, 
         "ndcg@5": ndcg_at_k(ranks, 5),
         "mrr": reciprocal_rank(ranks),
         "valid_rate": valid,
+        "unforced_rate": unforced,
         "fallback_rate": 1.0 - valid,
     }
 

@@ -2,7 +2,9 @@
 
 `rerank` decodes every request with the one decoder, parses each answer against the request's
 candidate SIDs and maps the SIDs back to item ids; an invalid answer is served the pre-rank order and
-counted (DESIGN §4). Its rows are the `rankings.parquet` contract: every number in
+counted (DESIGN §4). With `RerankConfig.constrained` (the default) decoding follows each request's
+answer grammar (`decode/grammar.py`), so every answer is a valid ranking; `forced` counts the
+corrections, and `unforced_rate` in the metrics is the model's own valid-output rate. Its rows are the `rankings.parquet` contract: every number in
 `stage_metrics.json` is recomputable from them alone (`stage_metrics`).
 
 `tau` is the commit threshold of block diffusion; AR systems have none (NaN in the frame, null in
@@ -22,6 +24,7 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from diffusion_gr2.core.decode.decoder import DecodeConfig, DecodeOutput, decode
+from diffusion_gr2.core.decode.grammar import AnswerGrammar, answer_grammars
 from diffusion_gr2.core.rank.metrics import METRICS, paired_bootstrap, stage_metrics_rows, user_values
 from diffusion_gr2.core.text.parser import OK, apply_fallback, parse_answer
 from diffusion_gr2.core.text.tokenizer import IM_END, decode_response
@@ -46,6 +49,7 @@ __all__ = [
     "rankings_summary",
     "rerank",
     "rerank_system",
+    "request_grammars",
     "resolve_device",
     "select_requests",
     "stage_metrics",
@@ -66,6 +70,7 @@ RANKING_COLUMNS = (
     "reason",
     "output_tokens",
     "nfe",
+    "forced",
     "output_text",
 )
 
@@ -78,6 +83,7 @@ class RerankConfig:
     batch_size: int = 16  # rows decoded together
     max_steps_per_block: int | None = None  # None -> block size (the decoder's default cap)
     commit_rule: str = DecodeConfig.commit_rule  # diffusion systems: which positions a step commits
+    constrained: bool = True  # decode under each request's answer grammar (every answer valid)
     device: str = "auto"  # "auto" = cuda when available, else cpu
 
 
@@ -137,19 +143,31 @@ def select_requests(
     return rows.reset_index(drop=True)
 
 
+def request_grammars(tokenizer: PreTrainedTokenizerBase, requests: pd.DataFrame) -> list[AnswerGrammar]:
+    """The answer grammar of each request: its candidate SIDs, ended by `<|im_end|>`."""
+    return answer_grammars(tokenizer, [[str(s) for s in c] for c in requests["candidate_sids"]], IM_END)
+
+
 def decode_requests(
-    model: PreTrainedModel, prompts: Sequence[Sequence[int]], config: DecodeConfig, desc: str = "decode"
+    model: PreTrainedModel,
+    prompts: Sequence[Sequence[int]],
+    config: DecodeConfig,
+    desc: str = "decode",
+    grammars: Sequence[AnswerGrammar] | None = None,
 ) -> list[DecodeOutput]:
     """`decode` in batches of `config.batch_size`, longest prompts first (less padding), with progress.
 
     Outputs come back in the order of `prompts`; greedy results do not depend on the batching.
+    `grammars`, one per prompt, constrain each answer.
     """
     order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
     outputs: list[DecodeOutput | None] = [None] * len(prompts)
     with tqdm(total=len(prompts), desc=desc, unit="req", leave=False) as bar:
         for start in range(0, len(order), config.batch_size):
             chunk = order[start : start + config.batch_size]
-            for i, out in zip(chunk, decode(model, [list(prompts[i]) for i in chunk], config), strict=True):
+            rows = None if grammars is None else [grammars[i] for i in chunk]
+            decoded = decode(model, [list(prompts[i]) for i in chunk], config, rows)
+            for i, out in zip(chunk, decoded, strict=True):
                 outputs[i] = out
             bar.update(len(chunk))
     return outputs  # type: ignore[return-value]
@@ -192,6 +210,7 @@ def ranking_rows(
                 "reason": parsed.reason,
                 "output_tokens": len(out.tokens),
                 "nfe": int(out.nfe),
+                "forced": int(out.forced),
                 "output_text": text,
             }
         )
@@ -205,16 +224,24 @@ def rerank(
     config: DecodeConfig,
     system: str,
     tau: float | None,
+    constrained: bool = False,
 ) -> pd.DataFrame:
-    """Re-rank every request with `model`: one `RANKING_COLUMNS` row per request, in request order."""
+    """Re-rank every request with `model`: one `RANKING_COLUMNS` row per request, in request order.
+
+    `constrained` decodes each answer under its request's grammar (`request_grammars`).
+    """
     label = system if tau is None else f"{system} tau={tau}"
-    outputs = decode_requests(model, list(requests["prompt_ids"]), config, desc=label)
+    grammars = request_grammars(tokenizer, requests) if constrained else None
+    outputs = decode_requests(model, list(requests["prompt_ids"]), config, desc=label, grammars=grammars)
     rows = ranking_rows(requests, outputs, tokenizer, system, tau)
+    unforced = rows["valid"] & (rows["forced"] == 0)
     logger.info(
-        "%s: %d requests, valid %.1f%%, %.1f output tokens and %.1f forwards per request",
+        "%s: %d requests, valid %.1f%% (%.1f%% without a grammar correction), %.1f output tokens "
+        "and %.1f forwards per request",
         label,
         len(rows),
         100.0 * rows["valid"].mean() if len(rows) else float("nan"),
+        100.0 * unforced.mean() if len(rows) else float("nan"),
         rows["output_tokens"].mean(),
         rows["nfe"].mean(),
     )
@@ -232,7 +259,15 @@ def rerank_system(
     """All rows of one system: once for an AR system (no tau), once per tau for a diffusion system."""
     grid: list[float | None] = [None] if system in AR_SYSTEMS else [float(t) for t in taus]
     frames = [
-        rerank(model, requests, tokenizer, decode_config_for(model, tokenizer, t, config), system, t)
+        rerank(
+            model,
+            requests,
+            tokenizer,
+            decode_config_for(model, tokenizer, t, config),
+            system,
+            t,
+            config.constrained,
+        )
         for t in grid
     ]
     return pd.concat(frames, ignore_index=True)
@@ -245,6 +280,7 @@ def rankings_summary(rankings: pd.DataFrame) -> dict[str, dict[str, float]]:
         nfe = int(rows["nfe"].sum())
         out[system_key(system, tau)] = {
             "valid_rate": float(rows["valid"].mean()),
+            "unforced_rate": float((rows["valid"] & (rows["forced"] == 0)).mean()),
             "mean_output_tokens": float(rows["output_tokens"].mean()),
             "mean_nfe": float(rows["nfe"].mean()),
             "tokens_per_forward": float(rows["output_tokens"].sum()) / nfe if nfe else 0.0,
@@ -267,6 +303,7 @@ def prerank_rows(requests: pd.DataFrame) -> pd.DataFrame:
             "reason": OK,
             "output_tokens": 0,
             "nfe": 0,
+            "forced": 0,
             "output_text": "",
         },
         columns=list(RANKING_COLUMNS),
@@ -371,5 +408,10 @@ def metrics_markdown(stage_rows: Sequence[Mapping[str, Any]]) -> str:
         tau = "—" if row["tau"] is None else f"{row['tau']:g}"
         cells = [str(row["system"]), tau, str(row["n"]), *(_cell(row, m) for m in METRICS)]
         lines.append("| " + " | ".join(cells) + " |")
-    note = "\nMetrics with 95% bootstrap intervals over users; tau — = autoregressive (no threshold).\n"
+    note = (
+        "\nMetrics with 95% bootstrap intervals over users; tau — = autoregressive (no threshold).\n"
+        "valid_rate: served answers that are valid rankings (the rest fall back to the pre-rank); "
+        "unforced_rate: valid answers the decoding grammar never corrected, i.e. the model's own "
+        "valid-output rate (equal to valid_rate when decoding is unconstrained).\n"
+    )
     return "# Stage metrics\n\n" + "\n".join(lines) + "\n" + note

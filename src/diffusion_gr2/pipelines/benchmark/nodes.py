@@ -11,7 +11,13 @@ from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
 from diffusion_gr2.core.rank.benchmark import BenchmarkConfig, run_benchmark
 from diffusion_gr2.core.rank.plots import speedup_figure
-from diffusion_gr2.core.rank.rerank import RerankConfig, prepare_model, select_requests, system_key
+from diffusion_gr2.core.rank.rerank import (
+    RerankConfig,
+    prepare_model,
+    request_grammars,
+    select_requests,
+    system_key,
+)
 from diffusion_gr2.core.tracking.mlflow_utils import as_metrics_history
 
 
@@ -34,9 +40,11 @@ def benchmark_decoding(
     """Time every system on the first `n_prompts` test requests, at each tau and batch size."""
     torch.set_num_threads(params["num_threads"] or _cores())  # the benchmark owns the process
     decoding, config = RerankConfig(**params["decoding"]), _benchmark_config(params)
-    prompts = [list(p) for p in select_requests(requests, params["split"], config.n_prompts)["prompt_ids"]]
+    chosen = select_requests(requests, params["split"], config.n_prompts)
+    prompts = [list(p) for p in chosen["prompt_ids"]]
+    grammars = request_grammars(tokenizer, chosen) if decoding.constrained else None
     placed = {name: prepare_model(model, decoding.device) for name, model in models.items()}
-    result = run_benchmark(placed, prompts, tokenizer, decoding, config)
+    result = run_benchmark(placed, prompts, tokenizer, decoding, config, grammars=grammars)
     measured = (
         "output_tokens_per_s",
         "nfe_per_sample",

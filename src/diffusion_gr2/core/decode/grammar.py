@@ -1,0 +1,273 @@
+"""Grammar-constrained decoding of ranking answers: only permutations of the request's candidates.
+
+Generative recommenders constrain decoding to valid item ids (TIGER's prefix-tree beam search); this
+is the same idea for a whole GR2 answer. `AnswerGrammar` is a per-request token automaton that accepts
+exactly
+
+    {"explanation":"<JSON string text>","recommendations":["<sid>","<sid>",...]}<|im_end|>
+
+where the SIDs are a permutation of the request's candidates: the compact format every trace is
+written in (`render_answer`). The explanation is free text (any token that keeps it a valid JSON
+string, escapes included; SID tokens may be cited); everything after it is forced structure plus a
+choice among the candidates not ranked yet. When the token budget gets tight the explanation is
+closed and the literals take their canonical tokens, so a long explanation cannot crowd the ranking
+out of `max_new_tokens`.
+
+Tokens are matched on their decoded text, so the grammar works with any tokenizer whose SID tokens are
+single added tokens (ours, or Qwen3's extended by `extend_tokenizer`). `GrammarTokens` holds what only
+depends on the tokenizer and is shared by every request.
+
+The decoder (`decode(..., constraints=...)`) asks `allowed(budget)` before committing a token and
+calls `advance(token)` after; see `decoder.py` for how it counts the answers the grammar corrected.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+from torch import Tensor
+from transformers import PreTrainedTokenizerBase
+
+from diffusion_gr2.core.text.prompt import split_sid
+from diffusion_gr2.core.text.tokenizer import SPECIAL_TOKENS
+
+__all__ = ["AnswerGrammar", "GrammarTokens", "TokenConstraint", "answer_grammars"]
+
+OPEN = '{"explanation":"'
+CLOSE = '","recommendations":["'  # ends with the first SID's opening quote
+SEPARATOR = '","'
+END = '"]}'
+_ESCAPES = set('"\\/bfnrt')  # JSON escapes after a backslash (\uXXXX is not produced by our traces)
+
+
+class TokenConstraint(Protocol):
+    """What the decoder needs from a constraint on one row's output."""
+
+    def allowed(self, budget: int) -> Tensor | None:
+        """bool [v]: tokens allowed next, with `budget` tokens left for the row; None = any token."""
+        ...
+
+    def advance(self, token: int) -> None:
+        """Consume one committed token (it must be allowed)."""
+        ...
+
+    def copy(self) -> TokenConstraint:
+        """An independent copy in the same state."""
+        ...
+
+
+def _scan_text(text: str, escaped: bool) -> tuple[str, bool | int] | None:
+    """Run `text` through the explanation string starting in escape state `escaped`.
+
+    Returns ("text", escaped_after), ("close", chars of CLOSE consumed) when an unescaped quote starts
+    the closing literal, or None when `text` cannot continue a JSON string here.
+    """
+    for i, ch in enumerate(text):
+        if escaped:
+            if ch not in _ESCAPES:
+                return None
+            escaped = False
+        elif ch == "\\":
+            escaped = True
+        elif ch == '"':
+            rest = text[i:]
+            return ("close", len(rest)) if CLOSE.startswith(rest) else None
+        elif ord(ch) < 0x20:  # raw control characters are not allowed inside a JSON string
+            return None
+    return ("text", escaped)
+
+
+@dataclass
+class GrammarTokens:
+    """Per-tokenizer tables: each token's text, and the explanation-string masks (built once)."""
+
+    texts: list[str]
+    eos_id: int
+    vocab: dict[str, int]  # token -> id (SID tokens are looked up here)
+    text_masks: dict[bool, Tensor]  # escape pending -> tokens that continue (or close) the explanation
+    close_masks: dict[bool, Tensor]  # escape pending -> tokens that (also) start the closing literal
+    text_effects: dict[tuple[bool, int], tuple[str, bool | int]]  # (escaped, id) -> `_scan_text` result
+    canonical: dict[str, list[int]]  # literal text -> its tokens as the tokenizer writes it (cached)
+    _literal_masks: dict[tuple[str, bool], Tensor] = field(default_factory=dict)
+    _tokenizer: PreTrainedTokenizerBase | None = None
+
+    @classmethod
+    def from_tokenizer(cls, tokenizer: PreTrainedTokenizerBase, eos_token: str) -> GrammarTokens:
+        eos_id = tokenizer.convert_tokens_to_ids(eos_token)
+        if eos_id is None or eos_id == tokenizer.unk_token_id:
+            raise ValueError(f"tokenizer has no {eos_token!r} token")
+        vocab = len(tokenizer)
+        texts = [tokenizer.decode([i]) for i in range(vocab)]
+        special = {tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS} | set(
+            tokenizer.all_special_ids
+        )
+        text_masks, close_masks, effects = {}, {}, {}
+        for escaped in (False, True):
+            text_ok = torch.zeros(vocab, dtype=torch.bool)
+            close_ok = torch.zeros(vocab, dtype=torch.bool)
+            for i, t in enumerate(texts):
+                if i in special or not t:
+                    continue
+                result = _scan_text(t, escaped)  # SID tokens are plain text: they may be cited
+                if result is None:
+                    continue
+                effects[(escaped, i)] = result
+                (close_ok if result[0] == "close" else text_ok)[i] = True
+            text_masks[escaped], close_masks[escaped] = text_ok | close_ok, close_ok
+        table = cls(texts, eos_id, tokenizer.get_vocab(), text_masks, close_masks, effects, {})
+        table._tokenizer = tokenizer
+        return table
+
+    def canonical_ids(self, literal: str) -> list[int]:
+        """How the tokenizer writes `literal` (what a trained model has seen)."""
+        if literal not in self.canonical:
+            assert self._tokenizer is not None
+            self.canonical[literal] = self._tokenizer(literal, add_special_tokens=False)["input_ids"]
+        return self.canonical[literal]
+
+    def token_mask(self, token: int) -> Tensor:
+        mask = torch.zeros(len(self.texts), dtype=torch.bool)
+        mask[token] = True
+        return mask
+
+    def literal_mask(self, remaining: str, then_text: bool) -> Tensor:
+        """Tokens that continue literal `remaining`; with `then_text`, also ones that run on into text."""
+        key = (remaining, then_text)
+        if key not in self._literal_masks:
+            mask = torch.zeros(len(self.texts), dtype=torch.bool)
+            for i, t in enumerate(self.texts):
+                if not t or i == self.eos_id:
+                    continue
+                runs_on = then_text and t.startswith(remaining) and _scan_text(t[len(remaining) :], False)
+                mask[i] = remaining.startswith(t) or (
+                    runs_on is not None and runs_on and runs_on[0] == "text"
+                )
+            self._literal_masks[key] = mask
+        return self._literal_masks[key]
+
+    def sid_ids_of(self, sid: str) -> tuple[int, ...]:
+        """Token ids of one SID string (`<a_1><b_2>...`); a clear error for a token the vocab lacks."""
+        try:
+            return tuple(self.vocab[t] for t in split_sid(sid))
+        except KeyError as err:
+            raise ValueError(f"SID {sid!r}: token {err.args[0]} is not in the tokenizer") from None
+
+
+class AnswerGrammar:
+    """Token automaton of one request's answer (module doc); phases: literal, text, sid, eos, done."""
+
+    def __init__(self, tokens: GrammarTokens, candidate_sids: Sequence[str]) -> None:
+        if not candidate_sids:
+            raise ValueError("a ranking grammar needs at least one candidate SID")
+        self.tokens = tokens
+        self.remaining = [tokens.sid_ids_of(s) for s in candidate_sids]
+        if len(set(self.remaining)) != len(self.remaining):
+            raise ValueError(f"duplicate candidate SIDs: {list(candidate_sids)}")
+        lengths = {len(s) for s in self.remaining}
+        if len(lengths) != 1:  # equal lengths make the SID set prefix-free: a full match ends a SID
+            raise ValueError(f"candidate SIDs differ in token length: {list(candidate_sids)}")
+        self.sid_length = lengths.pop()
+        self.phase, self.literal, self.then = "literal", OPEN, "text"
+        self.escaped = False  # inside the explanation: a backslash is pending
+        self.partial: tuple[int, ...] = ()  # SID tokens written of the current item
+        # Tokens the answer needs after the explanation (canonical literals), plus slack for a closing
+        # quote the model splits off: below this budget the explanation must close.
+        self.reserve = len(tokens.canonical_ids(CLOSE)) + self._list_cost(len(self.remaining)) + 2
+
+    def copy(self) -> AnswerGrammar:
+        clone = copy.copy(self)  # shares the token tables
+        clone.remaining = list(self.remaining)
+        return clone
+
+    def _list_cost(self, items: int) -> int:
+        """Tokens that `items` more SIDs need, with their separators, the closing `"]}` and the eos."""
+        sep, end = len(self.tokens.canonical_ids(SEPARATOR)), len(self.tokens.canonical_ids(END))
+        return items * self.sid_length - len(self.partial) + max(items - 1, 0) * sep + end + 1
+
+    def _needed(self) -> int:
+        """Tokens needed to finish from a literal phase, canonically written."""
+        after = {"text": self.reserve - 2, "sid": self._list_cost(len(self.remaining)), "eos": 1}[self.then]
+        return len(self.tokens.canonical_ids(self.literal)) + after
+
+    def allowed(self, budget: int) -> Tensor | None:
+        t = self.tokens
+        if self.phase == "literal":
+            if budget <= self._needed():  # no room for detours: the literal's canonical next token
+                return t.token_mask(t.canonical_ids(self.literal)[0])
+            return t.literal_mask(self.literal, self.then == "text")
+        if self.phase == "text":
+            if budget <= self.reserve and not self.escaped:  # close now, or the ranking will not fit
+                return t.close_masks[False]
+            return t.text_masks[self.escaped]
+        if self.phase == "sid":
+            mask = torch.zeros(len(t.texts), dtype=torch.bool)
+            depth = len(self.partial)
+            mask[[s[depth] for s in self.remaining if s[:depth] == self.partial]] = True
+            return mask
+        if self.phase == "eos":
+            mask = torch.zeros(len(t.texts), dtype=torch.bool)
+            mask[t.eos_id] = True
+            return mask
+        return None  # done: the row has ended; later positions never reach the output
+
+    def advance(self, token: int) -> None:
+        t = self.tokens
+        if self.phase == "literal":
+            text = t.texts[token]
+            if self.literal.startswith(text):
+                self.literal = self.literal[len(text) :]
+                if not self.literal:
+                    self._enter(self.then)
+                return
+            if self.then == "text" and text.startswith(self.literal):
+                self.phase, self.escaped = "text", False
+                self._text(token, text[len(self.literal) :])
+                return
+            raise ValueError(f"token {token} ({text!r}) does not continue literal {self.literal!r}")
+        if self.phase == "text":
+            self._text(token, None)
+        elif self.phase == "sid":
+            self.partial += (token,)
+            if len(self.partial) == self.sid_length:
+                self.remaining.remove(self.partial)  # ValueError for a SID that is not left
+                self.partial = ()
+                self.phase, self.literal = "literal", SEPARATOR if self.remaining else END
+                self.then = "sid" if self.remaining else "eos"
+        elif self.phase == "eos":
+            if token != t.eos_id:
+                raise ValueError(f"token {token} after a complete answer; expected end-of-output")
+            self.phase = "done"
+
+    def _text(self, token: int, run_on: str | None) -> None:
+        """Consume explanation text: the whole token, or `run_on` (its part after a literal)."""
+        effect = (
+            _scan_text(run_on, False)
+            if run_on is not None
+            else self.tokens.text_effects.get((self.escaped, token))
+        )
+        if effect is None:
+            raise ValueError(f"token {token} ({self.tokens.texts[token]!r}) cannot continue the explanation")
+        kind, value = effect
+        if kind == "text":
+            self.escaped = bool(value)
+            return
+        self.phase, self.literal, self.then = "literal", CLOSE[int(value) :], "sid"
+        if not self.literal:
+            self._enter("sid")
+
+    def _enter(self, phase: str) -> None:
+        self.phase = phase
+        if phase == "text":
+            self.escaped = False
+
+
+def answer_grammars(
+    tokenizer: PreTrainedTokenizerBase, candidate_lists: Sequence[Sequence[str]], eos_token: str
+) -> list[AnswerGrammar]:
+    """One `AnswerGrammar` per request's candidate SIDs, sharing one `GrammarTokens` table."""
+    tokens = GrammarTokens.from_tokenizer(tokenizer, eos_token)
+    return [AnswerGrammar(tokens, sids) for sids in candidate_lists]

@@ -1,0 +1,177 @@
+"""The answer grammar, and decoding under constraints (AR and block diffusion)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+
+import pandas as pd
+import pytest
+import torch
+from torch import Tensor
+from transformers import PreTrainedTokenizerFast
+
+from diffusion_gr2.core.decode.decoder import DecodeConfig, decode
+from diffusion_gr2.core.decode.grammar import AnswerGrammar, GrammarTokens
+from diffusion_gr2.core.rank.rerank import request_grammars
+from diffusion_gr2.core.text.parser import parse_answer
+from diffusion_gr2.core.text.prompt import render_answer
+from diffusion_gr2.core.text.tokenizer import IM_END, decode_response
+from tests.core.model.tiny import MASK, random_prompts, tiny_model, tiny_model_for
+from tests.core.rank.test_rerank import make_world
+
+
+@pytest.fixture(scope="module")
+def world() -> Iterator[tuple[PreTrainedTokenizerFast, pd.DataFrame]]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield make_world(n_users=4)
+    torch.set_num_threads(threads)
+
+
+def _ids(tokenizer: PreTrainedTokenizerFast, text: str) -> list[int]:
+    return tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.convert_tokens_to_ids(IM_END)]
+
+
+def _walk(grammar: AnswerGrammar, ids: list[int], budget: int = 1000) -> int | None:
+    """Feed `ids`; the index of the first token the grammar does not allow, None if all pass."""
+    grammar = grammar.copy()
+    for n, token in enumerate(ids):
+        allowed = grammar.allowed(budget - n)
+        if allowed is not None and not bool(allowed[token]):
+            return n
+        grammar.advance(token)
+    return None
+
+
+def _candidates(requests: pd.DataFrame, row: int = 0) -> list[str]:
+    return [str(s) for s in requests["candidate_sids"][row]]
+
+
+def test_grammar_accepts_every_rendered_answer(world) -> None:
+    tokenizer, requests = world
+    grammar = request_grammars(tokenizer, requests)[0]
+    sids = _candidates(requests)
+    for explanation, ranking in [
+        ("The user watches dramas, so drama comes first.", sids),
+        (f'Cites {sids[2]} and a "quoted" title with a \\ backslash.', sids[::-1]),
+        ("", sids[1:] + sids[:1]),
+    ]:
+        ids = _ids(tokenizer, render_answer(explanation, ranking))
+        assert _walk(grammar, ids) is None
+        done = grammar.copy()
+        for token in ids:
+            done.advance(token)
+        assert done.phase == "done" and done.allowed(0) is None
+
+
+@pytest.mark.parametrize("fault", ["foreign", "duplicate", "short", "newline", "structure"])
+def test_grammar_rejects_what_the_parser_rejects(world, fault: str) -> None:
+    tokenizer, requests = world
+    grammar = request_grammars(tokenizer, requests)[0]
+    sids, other = _candidates(requests, 0), _candidates(requests, 1)
+    foreign = next(s for s in other if s not in sids)
+    text = {
+        "foreign": render_answer("ok", [foreign, *sids[1:]]),
+        "duplicate": render_answer("ok", [sids[0], *sids[:-1]]),
+        "short": render_answer("ok", sids[:-1]),
+        "newline": render_answer("ok", sids).replace("ok", "o\\nk").replace("\\n", "\n"),
+        "structure": render_answer("ok", sids).replace('"recommendations"', '"ranking"'),
+    }[fault]
+    ids = _ids(tokenizer, text)
+    assert not parse_answer(decode_response(tokenizer, ids), sids).valid
+    assert _walk(grammar, ids) is not None
+
+
+def test_tight_budget_closes_the_explanation(world) -> None:
+    tokenizer, requests = world
+    grammar = request_grammars(tokenizer, requests)[0]
+    grammar.advance(_ids(tokenizer, '{"explanation":"')[0])  # enough of the opening literal?
+    while grammar.phase == "literal":  # finish the opening literal with its canonical tokens
+        grammar.advance(tokenizer(grammar.literal, add_special_tokens=False)["input_ids"][0])
+    assert grammar.phase == "text"
+    free, tight = grammar.allowed(1000), grammar.allowed(grammar.reserve)
+    assert int(tight.sum()) < int(free.sum())
+    texts = [tokenizer.decode([i]) for i in tight.nonzero().flatten().tolist()]
+    assert texts and all('"' in t for t in texts)  # only tokens that begin the closing literal
+
+
+def test_grammar_needs_known_and_distinct_sids(world) -> None:
+    tokenizer, requests = world
+    tokens = GrammarTokens.from_tokenizer(tokenizer, IM_END)
+    sids = _candidates(requests)
+    with pytest.raises(ValueError, match="duplicate"):
+        AnswerGrammar(tokens, [sids[0], sids[0]])
+    with pytest.raises(ValueError, match="not in the tokenizer"):
+        AnswerGrammar(tokens, ["<a_9999><b_1><c_1><d_1>"])
+
+
+@pytest.mark.parametrize(("k", "tau"), [(1, 0.9), (4, 0.9), (4, 0.3), (8, 0.5)])
+def test_constrained_decoding_always_gives_a_valid_ranking(world, k: int, tau: float) -> None:
+    tokenizer, requests = world
+    model = tiny_model_for(tokenizer, None if k == 1 else k)
+    cfg = DecodeConfig(
+        block_size=k,
+        threshold=tau,
+        max_new_tokens=96,
+        mask_token_id=tokenizer.mask_token_id if k > 1 else None,
+        eos_token_ids=(tokenizer.convert_tokens_to_ids(IM_END),),
+        batch_size=3,  # rows of one batch end at different times
+    )
+    prompts = [list(p) for p in requests["prompt_ids"]]
+    grammars = request_grammars(tokenizer, requests)
+    outputs = decode(model, prompts, cfg, grammars)
+    for row, out in enumerate(outputs):
+        assert parse_answer(decode_response(tokenizer, out.tokens), _candidates(requests, row)).valid
+        assert out.forced > 0  # a random model never writes a valid answer on its own
+        assert all(lp <= 1e-6 for lp in out.token_logprobs)
+    if k > 1:  # the grammar reads committed tokens only, so the KV cache stays exact
+        again = decode(model, prompts, dataclasses.replace(cfg, recompute=True), grammars)
+        assert [o.tokens for o in again] == [o.tokens for o in outputs]
+    assert grammars[0].phase == "literal"  # the caller's grammars are copied, never advanced
+
+
+class _Ban:
+    """A test constraint: token `banned` is not allowed at output position `at`."""
+
+    def __init__(self, banned: int, at: int, vocab: int) -> None:
+        self.banned, self.at, self.vocab, self.n = banned, at, vocab, 0
+
+    def allowed(self, budget: int) -> Tensor | None:
+        if self.n != self.at:
+            return None
+        mask = torch.ones(self.vocab, dtype=torch.bool)
+        mask[self.banned] = False
+        return mask
+
+    def advance(self, token: int) -> None:
+        self.n += 1
+
+    def copy(self) -> _Ban:
+        clone = _Ban(self.banned, self.at, self.vocab)
+        clone.n = self.n
+        return clone
+
+
+@pytest.mark.parametrize(("k", "tau"), [(1, 0.9), (4, 0.5), (8, 0.3)])
+def test_a_constraint_changes_only_what_it_forbids(k: int, tau: float) -> None:
+    model, prompts = tiny_model(), random_prompts([7, 12, 3])
+    cfg = DecodeConfig(block_size=k, threshold=tau, max_new_tokens=20, mask_token_id=MASK if k > 1 else None)
+    free = decode(model, prompts, cfg)
+    vocab = model.config.vocab_size
+    allow_all = decode(model, prompts, cfg, [_Ban(-1, -1, vocab) for _ in prompts])
+    assert [o.tokens for o in allow_all] == [o.tokens for o in free]
+    assert all(o.forced == 0 for o in allow_all)
+    at = 5
+    banned = decode(model, prompts, cfg, [_Ban(o.tokens[at], at, vocab) for o in free])
+    for a, b in zip(free, banned, strict=True):
+        assert b.tokens[:at] == a.tokens[:at] and b.tokens[at] != a.tokens[at]
+        # AR replaces the token once; diffusion may first cut a run there, then replace it
+        assert b.forced == 1 if k == 1 else b.forced >= 1
+
+
+def test_constraints_need_the_prefix_rule() -> None:
+    model, prompts = tiny_model(), random_prompts([5])
+    cfg = DecodeConfig(block_size=4, mask_token_id=MASK, commit_rule="confident")
+    with pytest.raises(ValueError, match="prefix"):
+        decode(model, prompts, cfg, [_Ban(3, 0, model.config.vocab_size)])
