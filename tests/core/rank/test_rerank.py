@@ -94,12 +94,27 @@ def test_rerank_ar_rows_are_well_formed_and_invalid_outputs_fall_back(world) -> 
 def test_rerank_diffusion_records_tau_and_fewer_forwards_than_tokens(world) -> None:
     tokenizer, requests = world
     model = tiny_model_for(tokenizer, block_size=4)
-    rows = rerank_system(model, requests, tokenizer, "cft", [0.9, 0.0], RerankConfig(max_new_tokens=16))
+    free = RerankConfig(
+        max_new_tokens=16, constrained=False
+    )  # a random model: the grammar would cut every run
+    rows = rerank_system(model, requests, tokenizer, "cft", [0.9, 0.0], free)
     assert rows["tau"].tolist() == [0.9] * len(requests) + [0.0] * len(requests)
     assert rows["output_tokens"].between(1, 16).all()
     # tau 0 commits every masked position at the first step: a block costs 2 forwards, not 4.
     low = rows[rows["tau"] == 0.0]
     assert low["nfe"].sum() < low["output_tokens"].sum()
+
+
+def test_constrained_rerank_serves_the_models_own_valid_ranking(world) -> None:
+    tokenizer, requests = world
+    model = tiny_model_for(tokenizer, block_size=4)
+    rows = rerank_system(model, requests, tokenizer, "cft", [0.6], RerankConfig(max_new_tokens=160))
+    assert rows["valid"].all() and (rows["forced"] > 0).all()  # random weights: valid only by the grammar
+    assert all(r != p for r, p in zip(rows["ranking"], rows["prerank"], strict=True))  # no fallback served
+    (metrics,) = stage_metrics(rows, n_boot=50)
+    assert (
+        metrics["valid_rate"] == 1.0 and metrics["unforced_rate"] == 0.0 and metrics["fallback_rate"] == 0.0
+    )
 
 
 def test_decode_config_for_reads_model_and_tokenizer(world) -> None:
