@@ -104,6 +104,26 @@ def test_rollouts_are_scored_and_replayed(task: dict, block_size: int, rule: str
         assert torch.allclose(taken, torch.tensor(out.token_logprobs), atol=1e-4)
 
 
+@pytest.mark.parametrize("block_size", [1, 4])
+def test_constrained_rollouts_are_valid_and_replay_the_constrained_policy(
+    task: dict, block_size: int
+) -> None:
+    tok = task["tokenizer"]
+    model = tiny_model_for(tok, block_size if block_size > 1 else None)
+    config = RolloutConfig(group_size=2, max_new_tokens=64, threshold=0.5, constrained=True)
+    rollouts = sample_rollouts(model, tok, task["requests"].head(2), config, seed=0)
+    assert rollouts.valid.all() and (rollouts.rewards > -1).all()  # the reward is about ranking only
+    assert all(o.forced > 0 for o in rollouts.outputs)  # random weights: the grammar wrote them
+    # The policy scored is the one sampled from: softmax over the tokens the grammar allowed.
+    logits = rollout_logits(model, rollouts, tok.pad_token_id) / config.temperature
+    for row, out in enumerate(rollouts.outputs):
+        replayed = torch.log_softmax(logits[row, : len(out.tokens)].float(), -1)
+        taken = replayed.gather(-1, torch.tensor(out.tokens)[:, None]).squeeze(-1)
+        assert torch.allclose(taken, torch.tensor(out.token_logprobs), atol=1e-4)
+    with pytest.raises(ValueError, match="unconstrained"):
+        opd_batches(model, tok, task["requests"], config)
+
+
 def test_grpo_step_runs_and_drops_zero_variance_groups(task: dict, tmp_path) -> None:
     tok = task["tokenizer"]
     model = tiny_model_for(tok, 4)

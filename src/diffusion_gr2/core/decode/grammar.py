@@ -35,7 +35,7 @@ from transformers import PreTrainedTokenizerBase
 from diffusion_gr2.core.text.prompt import split_sid
 from diffusion_gr2.core.text.tokenizer import SPECIAL_TOKENS
 
-__all__ = ["AnswerGrammar", "GrammarTokens", "TokenConstraint", "answer_grammars"]
+__all__ = ["AnswerGrammar", "GrammarTokens", "TokenConstraint", "allowed_masks", "answer_grammars"]
 
 OPEN = '{"explanation":"'
 CLOSE = '","recommendations":["'  # ends with the first SID's opening quote
@@ -263,6 +263,23 @@ class AnswerGrammar:
         self.phase = phase
         if phase == "text":
             self.escaped = False
+
+
+def allowed_masks(
+    constraint: TokenConstraint, tokens: Sequence[int], max_new_tokens: int, vocab: int
+) -> Tensor:
+    """bool [len(tokens), vocab]: what `constraint` allowed at each position of a decoded output.
+
+    The constraint is a function of the tokens before a position and the budget left there, so
+    walking a copy over the output rebuilds exactly the masks the decoder applied (RL needs them to
+    score the constrained policy it sampled from).
+    """
+    state, rows = constraint.copy(), []
+    for n, token in enumerate(tokens):
+        allowed = state.allowed(max_new_tokens - n)
+        rows.append(torch.ones(vocab, dtype=torch.bool) if allowed is None else allowed)
+        state.advance(int(token))
+    return torch.stack(rows) if rows else torch.ones(0, vocab, dtype=torch.bool)
 
 
 def answer_grammars(

@@ -41,6 +41,7 @@ METRICS = (
     "valid_rate",
     "unforced_rate",
     "fallback_rate",
+    "recall@1_free",
 )
 _CHUNK_ELEMENTS = 4_000_000  # bootstrap/catalog work is chunked to bound memory (~32 MB of float64)
 
@@ -97,11 +98,21 @@ def user_values(frame: pd.DataFrame | Iterable[Mapping[str, Any]]) -> dict[str, 
     ranked by its ``prerank`` when present. ``unforced_rate`` is the share of valid rows that a
     decoding constraint never corrected (``forced`` = 0, the default when the column is absent): the
     model's own valid-output rate, which equals ``valid_rate`` for unconstrained decoding.
+    ``recall@1_free`` is the R@1 of serving without the grammar: a corrected answer is one that free
+    decoding gets wrong (the grammar only ever steps in where the model leaves the answer format), so
+    it is served the pre-rank instead; this is exactly what unconstrained decoding + fallback scores.
     """
     rows = _rows(frame)
     ranks = np.array([target_rank(_final_ranking(r), r["target"]) for r in rows], dtype=np.int64)
     valid = np.array([bool(r["valid"]) for r in rows], dtype=np.float64)
     unforced = np.array([bool(r["valid"]) and not r.get("forced", 0) for r in rows], dtype=np.float64)
+    free_ranks = np.array(
+        [
+            rank if ok else target_rank(r.get("prerank"), r["target"])
+            for rank, ok, r in zip(ranks, unforced, rows, strict=True)
+        ],
+        dtype=np.int64,
+    )
     return {
         "recall@1": recall_at_k(ranks, 1),
         "recall@3": recall_at_k(ranks, 3),
@@ -112,6 +123,7 @@ def user_values(frame: pd.DataFrame | Iterable[Mapping[str, Any]]) -> dict[str, 
         "valid_rate": valid,
         "unforced_rate": unforced,
         "fallback_rate": 1.0 - valid,
+        "recall@1_free": recall_at_k(free_ranks, 1),
     }
 
 

@@ -18,11 +18,12 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from diffusion_gr2.core.decode.decoder import DecodeConfig, DecodeOutput, decode
+from diffusion_gr2.core.decode.grammar import AnswerGrammar, allowed_masks, answer_grammars
 from diffusion_gr2.core.decode.replay import replay_batch_logits
 from diffusion_gr2.core.model.diffusion import response_logits
 from diffusion_gr2.core.rank.rewards import ranking_reward
 from diffusion_gr2.core.text.parser import parse_answer
-from diffusion_gr2.core.text.tokenizer import decode_response
+from diffusion_gr2.core.text.tokenizer import IM_END, decode_response
 from diffusion_gr2.core.train.grpo import GRPOBatch, make_grpo_batch, policy_loss, token_logprobs
 from diffusion_gr2.core.train.losses import cft_noise, forward_kl, pad_to_blocks, weighted_token_ce
 
@@ -153,6 +154,9 @@ class RolloutConfig:
     commit_rule: str = DecodeConfig.commit_rule
     max_new_tokens: int = 192
     alpha: float = 0.2  # conditional format reward (GR2)
+    # Sample under each request's answer grammar, as served: every rollout is a valid ranking, so the
+    # reward is about ranking only, and the policy scored is the constrained one (renormalised).
+    constrained: bool = False
     seed: int = 0
 
 
@@ -166,6 +170,8 @@ class Rollouts:
     valid: torch.Tensor  # [n_requests, g] bool
     block_size: int
     mask_token_id: int | None
+    grammars: list[AnswerGrammar] | None = None  # one per rollout when sampled under the grammar
+    max_new_tokens: int = 0  # the budget the grammars saw
 
     def token_batch(self, pad_id: int) -> TokenBatch:
         return collate(self.prompts, [o.tokens for o in self.outputs], pad_id)
@@ -214,14 +220,27 @@ def sample_rollouts(
     """G sampled answers per request from the policy's own decoder, with their rewards."""
     g = config.group_size
     prompts = [list(p) for p in requests["prompt_ids"] for _ in range(g)]
+    grammars = None
+    if config.constrained:
+        candidates = [[str(s) for s in c] for c in requests["candidate_sids"] for _ in range(g)]
+        grammars = answer_grammars(tokenizer, candidates, IM_END)
     was_training = model.training
     model.eval()
-    outputs = decode(model, prompts, rollout_decode_config(model, tokenizer, config, seed))
+    outputs = decode(model, prompts, rollout_decode_config(model, tokenizer, config, seed), grammars)
     model.train(was_training)
     scored = [score_rollout(tokenizer, o, requests.iloc[i // g], config.alpha) for i, o in enumerate(outputs)]
     rewards = torch.tensor([s[0] for s in scored], dtype=torch.float32).view(len(requests), g)
     valid = torch.tensor([s[1] for s in scored]).view(len(requests), g)
-    return Rollouts(prompts, outputs, rewards, valid, policy_block_size(model), tokenizer.mask_token_id)
+    return Rollouts(
+        prompts,
+        outputs,
+        rewards,
+        valid,
+        policy_block_size(model),
+        tokenizer.mask_token_id,
+        grammars,
+        config.max_new_tokens,
+    )
 
 
 def rollout_logits(
@@ -231,15 +250,26 @@ def rollout_logits(
 
     `rows` limits the work to those rollouts (b = len(rows), r = their longest response).
     Block size 1: one causal forward over the padded batch. k > 1: batched replay of the commit canvases.
+    Rollouts sampled under a grammar get the tokens it did not allow masked out (-inf), so softmax
+    gives the constrained policy they were sampled from.
     """
     rows = range(len(rollouts.outputs)) if rows is None else rows
     prompts, outputs = [rollouts.prompts[i] for i in rows], [rollouts.outputs[i] for i in rows]
     if rollouts.block_size == 1:
         batch = collate(prompts, [o.tokens for o in outputs], pad_id)
-        return response_logits(
+        logits = response_logits(
             model, batch.prompt_ids, batch.response_ids, 1, None, batch.prompt_mask, batch.response_mask
         )
-    return replay_batch_logits(model, prompts, outputs, rollouts.block_size, rollouts.mask_token_id)
+    else:
+        logits = replay_batch_logits(model, prompts, outputs, rollouts.block_size, rollouts.mask_token_id)
+    if rollouts.grammars is None:
+        return logits
+    allowed = torch.ones(logits.shape, dtype=torch.bool, device=logits.device)
+    for row, i in enumerate(rows):
+        out = rollouts.outputs[i]
+        masks = allowed_masks(rollouts.grammars[i], out.tokens, rollouts.max_new_tokens, logits.shape[-1])
+        allowed[row, : len(out.tokens)] = masks.to(logits.device)
+    return logits.masked_fill(~allowed, torch.finfo(logits.dtype).min)
 
 
 def request_sampler(requests: pd.DataFrame, per_step: int, seed: int) -> Callable[[int], pd.DataFrame]:
@@ -305,12 +335,17 @@ def grpo_loss(pad_id: int, clip_low: float, clip_high: float) -> Callable:
 
 
 def rollout_metrics(rollouts: Rollouts) -> dict[str, float]:
+    valid = rollouts.valid.flatten().tolist()
     nfe = sum(o.nfe for o in rollouts.outputs)
     tokens = sum(len(o.tokens) for o in rollouts.outputs)
     return {
         "reward_mean": float(rollouts.rewards.mean()),
         "reward_std": float(rollouts.rewards.std(dim=1).mean()),
         "valid_rate": float(rollouts.valid.float().mean()),
+        # valid with no grammar correction: the policy's own valid rate (= valid_rate when unconstrained)
+        "unforced_rate": float(
+            np.mean([v and o.forced == 0 for v, o in zip(valid, rollouts.outputs, strict=True)])
+        ),
         "tokens_per_forward": tokens / max(nfe, 1),
         "output_tokens": tokens / len(rollouts.outputs),
     }
@@ -330,6 +365,8 @@ def opd_batches(
     config: RolloutConfig,
 ) -> Callable:
     """``make_batch``: student rollouts scored once by the frozen AR teacher (one causal forward)."""
+    if config.constrained:  # a masked student puts zero mass where the teacher may not: KL is infinite
+        raise ValueError("OPD rollouts must be unconstrained (rollout.constrained: false)")
     take = request_sampler(requests, config.prompts_per_step, config.seed)
     pad_id = tokenizer.pad_token_id
 
