@@ -85,15 +85,16 @@ def _scan_text(text: str, escaped: bool) -> tuple[str, bool | int] | None:
 class GrammarTokens:
     """Per-tokenizer tables: each token's text, and the explanation-string masks (built once)."""
 
+    tokenizer: PreTrainedTokenizerBase
     texts: list[str]
     eos_id: int
     vocab: dict[str, int]  # token -> id (SID tokens are looked up here)
     text_masks: dict[bool, Tensor]  # escape pending -> tokens that continue (or close) the explanation
     close_masks: dict[bool, Tensor]  # escape pending -> tokens that (also) start the closing literal
     text_effects: dict[tuple[bool, int], tuple[str, bool | int]]  # (escaped, id) -> `_scan_text` result
-    canonical: dict[str, list[int]]  # literal text -> its tokens as the tokenizer writes it (cached)
-    _literal_masks: dict[tuple[str, bool], Tensor] = field(default_factory=dict)
-    _tokenizer: PreTrainedTokenizerBase | None = None
+    # caches, filled on first use: literal -> canonical ids, (literal, then text) -> allowed mask
+    _canonical: dict[str, list[int]] = field(default_factory=dict, repr=False)
+    _literal_masks: dict[tuple[str, bool], Tensor] = field(default_factory=dict, repr=False)
 
     @classmethod
     def from_tokenizer(cls, tokenizer: PreTrainedTokenizerBase, eos_token: str) -> GrammarTokens:
@@ -118,18 +119,16 @@ class GrammarTokens:
                 effects[(escaped, i)] = result
                 (close_ok if result[0] == "close" else text_ok)[i] = True
             text_masks[escaped], close_masks[escaped] = text_ok | close_ok, close_ok
-        table = cls(texts, eos_id, tokenizer.get_vocab(), text_masks, close_masks, effects, {})
-        table._tokenizer = tokenizer
-        return table
+        return cls(tokenizer, texts, eos_id, tokenizer.get_vocab(), text_masks, close_masks, effects)
 
     def canonical_ids(self, literal: str) -> list[int]:
         """How the tokenizer writes `literal` (what a trained model has seen)."""
-        if literal not in self.canonical:
-            assert self._tokenizer is not None
-            self.canonical[literal] = self._tokenizer(literal, add_special_tokens=False)["input_ids"]
-        return self.canonical[literal]
+        if literal not in self._canonical:
+            self._canonical[literal] = self.tokenizer(literal, add_special_tokens=False)["input_ids"]
+        return self._canonical[literal]
 
     def token_mask(self, token: int) -> Tensor:
+        """Only `token`."""
         mask = torch.zeros(len(self.texts), dtype=torch.bool)
         mask[token] = True
         return mask

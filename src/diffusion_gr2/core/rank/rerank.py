@@ -224,14 +224,13 @@ def rerank(
     config: DecodeConfig,
     system: str,
     tau: float | None,
-    constrained: bool = False,
+    grammars: Sequence[AnswerGrammar] | None = None,
 ) -> pd.DataFrame:
     """Re-rank every request with `model`: one `RANKING_COLUMNS` row per request, in request order.
 
-    `constrained` decodes each answer under its request's grammar (`request_grammars`).
+    `grammars` (`request_grammars(tokenizer, requests)`) constrain each answer; never mutated.
     """
     label = system if tau is None else f"{system} tau={tau}"
-    grammars = request_grammars(tokenizer, requests) if constrained else None
     outputs = decode_requests(model, list(requests["prompt_ids"]), config, desc=label, grammars=grammars)
     rows = ranking_rows(requests, outputs, tokenizer, system, tau)
     unforced = rows["valid"] & (rows["forced"] == 0)
@@ -258,15 +257,11 @@ def rerank_system(
 ) -> pd.DataFrame:
     """All rows of one system: once for an AR system (no tau), once per tau for a diffusion system."""
     grid: list[float | None] = [None] if system in AR_SYSTEMS else [float(t) for t in taus]
+    # Built once (a large vocabulary takes a while to tabulate); decoding only ever advances copies.
+    grammars = request_grammars(tokenizer, requests) if config.constrained else None
     frames = [
         rerank(
-            model,
-            requests,
-            tokenizer,
-            decode_config_for(model, tokenizer, t, config),
-            system,
-            t,
-            config.constrained,
+            model, requests, tokenizer, decode_config_for(model, tokenizer, t, config), system, t, grammars
         )
         for t in grid
     ]
