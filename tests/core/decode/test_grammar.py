@@ -86,14 +86,18 @@ def test_grammar_rejects_what_the_parser_rejects(world, fault: str) -> None:
 def test_tight_budget_closes_the_explanation(world) -> None:
     tokenizer, requests = world
     grammar = request_grammars(tokenizer, requests)[0]
-    grammar.advance(_ids(tokenizer, '{"explanation":"')[0])  # enough of the opening literal?
-    while grammar.phase == "literal":  # finish the opening literal with its canonical tokens
-        grammar.advance(tokenizer(grammar.literal, add_special_tokens=False)["input_ids"][0])
+    for token in tokenizer('{"explanation":"', add_special_tokens=False)["input_ids"]:
+        grammar.advance(token)  # the opening literal, as the tokenizer writes it
     assert grammar.phase == "text"
     free, tight = grammar.allowed(1000), grammar.allowed(grammar.reserve)
     assert int(tight.sum()) < int(free.sum())
     texts = [tokenizer.decode([i]) for i in tight.nonzero().flatten().tolist()]
     assert texts and all('"' in t for t in texts)  # only tokens that begin the closing literal
+    # With the closing literal begun and no room to spare, only its canonical next token is left.
+    grammar.advance(
+        next(i for i, t in zip(tight.nonzero().flatten().tolist(), texts, strict=True) if t == '"')
+    )
+    assert int(grammar.allowed(0).sum()) == 1 and int(grammar.allowed(1000).sum()) > 1
 
 
 def test_grammar_needs_known_and_distinct_sids(world) -> None:

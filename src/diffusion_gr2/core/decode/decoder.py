@@ -19,8 +19,9 @@ Commit rules (`DecodeConfig.commit_rule`), each step, among the block's masked p
 Constraints (`decode(..., constraints=...)`, one `TokenConstraint` per prompt, e.g. the answer
 grammar of `grammar.py`): a token is only committed when its row's constraint allows it. The model's
 own probability still decides how many tokens a step commits; the constraint only ever takes commits
-away: a disallowed arg-max is replaced by the best allowed token where a commit is due (the leftmost
-masked position, the step cap, AR), and ends the step's run anywhere else. Each such correction is
+away: a disallowed choice (the arg-max, or the sample) is replaced by the best allowed token (or a
+sample among them) where a commit is due (the leftmost masked position, the step cap, AR), and ends
+the step's run anywhere else. Each such correction is
 counted in `DecodeOutput.forced`, so an output with `forced == 0` is token for token what
 unconstrained greedy decoding gives. Needs the `prefix` rule: only there is every committed token's
 left context committed, which is what the constraint reads.
