@@ -184,9 +184,11 @@ def _constrain_commits(
     elsewhere. Log-probs become those of the constrained (renormalised) distribution.
     """
     forced = [0] * len(constraints)
-    token_list = tokens.tolist()
-    runs = {i: commit[i].nonzero().flatten().tolist() for i, c in enumerate(constraints) if c is not None}
-    n = 0  # the n-th commit of every row's run is checked together: one batched pass per column
+    token_list, commit_list = tokens.tolist(), commit.tolist()
+    runs = {
+        i: [j for j, c in enumerate(commit_list[i]) if c] for i, c in enumerate(constraints) if c is not None
+    }
+    dev, n = logits.device, 0  # the n-th commit of every row's run is checked together, one pass per column
     while runs := {i: run for i, run in runs.items() if n < len(run)}:
         rows, cols, masks = [], [], []
         for i, run in runs.items():
@@ -196,25 +198,25 @@ def _constrain_commits(
             else:
                 rows.append(i), cols.append(run[n]), masks.append(allowed)
         if rows:
-            r, c = torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device)
-            allowed = torch.stack(masks).to(logits.device)  # [r, v]
-            chosen = tokens[r, c]
-            bad = ~allowed.gather(1, chosen[:, None]).squeeze(1)
+            r, c = torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)
+            allowed = torch.stack(masks).to(dev)  # [r, v]
+            x = logits[r, c].float() / (cfg.temperature if cfg.do_sample else 1.0)
+            x = x.masked_fill(~allowed, -math.inf)  # the constrained distribution's logits
+            chosen = torch.tensor([token_list[i][j] for i, j in zip(rows, cols, strict=True)], device=dev)
+            bad = x.gather(1, chosen[:, None]).squeeze(1) == -math.inf
             if bool(bad.any()):  # the best allowed token instead (used only where a commit is due)
                 chosen[bad] = _choose(logits[r[bad], c[bad]].masked_fill(~allowed[bad], -math.inf), cfg, gen)[
                     0
                 ]
-            x = logits[r, c].float() / (cfg.temperature if cfg.do_sample else 1.0)
-            logps[r, c] = x.gather(1, chosen[:, None]).squeeze(1) - torch.logsumexp(
-                x.masked_fill(~allowed, -math.inf), -1
-            )
+            logps[r, c] = torch.log_softmax(x, -1).gather(1, chosen[:, None]).squeeze(1)  # renormalised
             for i, j, token, corrected in zip(rows, cols, chosen.tolist(), bad.tolist(), strict=True):
-                forced[i] += corrected
-                if corrected and n > 0 and not must_commit:  # not due here: end the run before it
-                    commit[i, j:] = False
-                    del runs[i]
-                    continue
-                tokens[i, j] = token
+                if corrected:
+                    forced[i] += 1
+                    if n > 0 and not must_commit:  # not due here: end the run before it
+                        commit[i, j:] = False
+                        del runs[i]
+                        continue
+                    tokens[i, j] = token
                 constraints[i].advance(token)  # type: ignore[union-attr]
         n += 1
     return forced
