@@ -11,6 +11,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
 from diffusion_gr2.core.decode.decoder import decode
+from diffusion_gr2.core.rank import benchmark as bench
 from diffusion_gr2.core.rank.benchmark import (
     BENCHMARK_KEYS,
     BenchmarkConfig,
@@ -98,6 +99,27 @@ def test_rows_have_every_key_and_diffusion_commits_several_tokens_per_forward(wo
     assert cft["output_tokens_per_s"] == MAX_NEW  # fake clock: same tokens per 1-s call as AR
     assert len(result.samples) == 3 * len(prompts)  # batch-1 requests of ar_rl, cft@0.9, cft@0.6
     assert "cft" in format_table(result.rows) and "tok/s" in format_table(result.rows)
+
+
+def test_rounds_interleave_the_settings_and_pool_their_calls(world, monkeypatch: pytest.MonkeyPatch) -> None:
+    tokenizer, prompts = world
+    token = tokenizer.convert_tokens_to_ids("<a_3>")
+    models = {"cft": forced_model(tokenizer, token, block_size=4), "ar_rl": forced_model(tokenizer, token)}
+    timed: list[tuple[int, int]] = []  # (block size, batch size) of each timed setting, in order
+    real = bench.time_calls
+
+    def spy(model, batches, config, *args, **kwargs):
+        timed.append((config.block_size, len(batches[0])))
+        return real(model, batches, config, *args, **kwargs)
+
+    monkeypatch.setattr(bench, "time_calls", spy)
+    config = BenchmarkConfig(n_prompts=len(prompts), batch_sizes=(1, 4), taus=(0.9,), warmup=0, rounds=2)
+    decoding = RerankConfig(max_new_tokens=MAX_NEW, constrained=False)
+    result = run_benchmark(models, prompts, tokenizer, decoding, config, clock=ticking_clock())
+    assert timed == [(1, 1), (1, 4), (4, 1), (4, 4)] * 2  # round after round, not setting after setting
+    assert len(result.rows) == 4 and len(result.samples) == 2 * 2 * len(prompts)  # both rounds pooled
+    ar_b1 = next(r for r in result.rows if r["system"] == "ar_rl" and r["batch_size"] == 1)
+    assert ar_b1["output_tokens_per_s"] == MAX_NEW  # 6 calls of 1 s, 8 tokens each
 
 
 def test_speedup_by_length_buckets_and_ratios() -> None:

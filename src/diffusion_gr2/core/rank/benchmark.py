@@ -70,6 +70,9 @@ class BenchmarkConfig:
     batch_sizes: tuple[int, ...] = (1, 16)  # DESIGN §8: report batch 1 and batch 16
     taus: tuple[float, ...] = (1.0, 0.9, 0.6, 0.4)  # thresholds of the diffusion systems (paper's sweep)
     warmup: int = 1  # untimed calls per setting before timing
+    # Every setting is timed once per round, rounds one after another: a machine that slows down for
+    # a while (shared cores, thermal limits) then slows every setting alike instead of whichever ran.
+    rounds: int = 1
     length_buckets: tuple[int, ...] = (32, 64, 128, 256)  # upper edges of the output-length buckets
     reference: str = "ar_rl"  # speed-ups are relative to this (AR) system
 
@@ -199,16 +202,25 @@ def run_benchmark(
     if config.reference not in models:
         logger.warning("reference system %s is not benchmarked: no speed-ups", config.reference)
     settings = [(s, t, b) for s, t in _settings(models, config) for b in config.batch_sizes]
+    calls: dict[tuple[str, float | None, int], list[Call]] = {s: [] for s in settings}
+    with tqdm(total=len(settings) * config.rounds, desc="benchmark", unit="setting") as bar:
+        for _ in range(config.rounds):
+            for system, tau, batch_size in settings:
+                model = models[system]
+                cfg = decode_config_for(model, tokenizer, tau, replace(decoding, batch_size=batch_size))
+                constraints = (
+                    full_batches(list(grammars), batch_size) if decoding.constrained and grammars else None
+                )
+                batches = full_batches(prompt_lists, batch_size)
+                calls[(system, tau, batch_size)] += time_calls(
+                    model, batches, cfg, config.warmup, clock, constraints
+                )
+                bar.update()
     rows, samples = [], []
-    for system, tau, batch_size in tqdm(settings, desc="benchmark", unit="setting"):
-        model = models[system]
-        cfg = decode_config_for(model, tokenizer, tau, replace(decoding, batch_size=batch_size))
-        constraints = full_batches(list(grammars), batch_size) if decoding.constrained and grammars else None
-        batches = full_batches(prompt_lists, batch_size)
-        calls = time_calls(model, batches, cfg, config.warmup, clock, constraints)
-        rows.append(summarize(system, tau, batch_size, calls, describe_device(model.device)))
+    for (system, tau, batch_size), timed in calls.items():
+        rows.append(summarize(system, tau, batch_size, timed, describe_device(models[system].device)))
         if batch_size == 1:
-            samples += _samples(system, tau, calls)
+            samples += _samples(system, tau, timed)
     frame = pd.DataFrame(samples, columns=["system", "tau", "output_tokens", "nfe", "latency_s"])
     length_rows = speedup_by_length(frame, config.length_buckets, config.reference)
     logger.info("decode benchmark (output tokens only)\n%s", format_table(rows))
