@@ -87,6 +87,15 @@ def test_cft_with_block_size_one_is_sft(task: dict) -> None:
     assert torch.allclose(loss_sft, loss_b1)
 
 
+def assert_replay_matches_the_decoder(model, rollouts, pad_id: int, temperature: float) -> None:
+    """The rollouts' log-probs rebuilt by `rollout_logits` equal those the decoder sampled with."""
+    logits = rollout_logits(model, rollouts, pad_id) / temperature
+    for row, out in enumerate(rollouts.outputs):
+        replayed = torch.log_softmax(logits[row, : len(out.tokens)].float(), -1)
+        taken = replayed.gather(-1, torch.tensor(out.tokens)[:, None]).squeeze(-1)
+        assert torch.allclose(taken, torch.tensor(out.token_logprobs), atol=1e-4)
+
+
 @pytest.mark.parametrize(("block_size", "rule"), [(1, "prefix"), (4, "prefix"), (4, "confident")])
 def test_rollouts_are_scored_and_replayed(task: dict, block_size: int, rule: str) -> None:
     tok = task["tokenizer"]
@@ -97,11 +106,7 @@ def test_rollouts_are_scored_and_replayed(task: dict, block_size: int, rule: str
     assert rollouts.rewards.shape == (2, 2)
     # An untrained model writes no valid JSON ranking: every reward is the invalid-output -1.
     assert torch.all(rollouts.rewards == -1) and not rollouts.valid.any()
-    logits = rollout_logits(model, rollouts, tok.pad_token_id) / config.temperature
-    for row, out in enumerate(rollouts.outputs):
-        replayed = torch.log_softmax(logits[row, : len(out.tokens)].float(), -1)
-        taken = replayed.gather(-1, torch.tensor(out.tokens)[:, None]).squeeze(-1)
-        assert torch.allclose(taken, torch.tensor(out.token_logprobs), atol=1e-4)
+    assert_replay_matches_the_decoder(model, rollouts, tok.pad_token_id, config.temperature)
 
 
 @pytest.mark.parametrize("block_size", [1, 4])
@@ -115,11 +120,7 @@ def test_constrained_rollouts_are_valid_and_replay_the_constrained_policy(
     assert rollouts.valid.all() and (rollouts.rewards > -1).all()  # the reward is about ranking only
     assert all(o.forced > 0 for o in rollouts.outputs)  # random weights: the grammar wrote them
     # The policy scored is the one sampled from: softmax over the tokens the grammar allowed.
-    logits = rollout_logits(model, rollouts, tok.pad_token_id) / config.temperature
-    for row, out in enumerate(rollouts.outputs):
-        replayed = torch.log_softmax(logits[row, : len(out.tokens)].float(), -1)
-        taken = replayed.gather(-1, torch.tensor(out.tokens)[:, None]).squeeze(-1)
-        assert torch.allclose(taken, torch.tensor(out.token_logprobs), atol=1e-4)
+    assert_replay_matches_the_decoder(model, rollouts, tok.pad_token_id, config.temperature)
     with pytest.raises(ValueError, match="unconstrained"):
         opd_batches(model, tok, task["requests"], config)
 

@@ -41,7 +41,9 @@ OPEN = '{"explanation":"'
 CLOSE = '","recommendations":["'  # ends with the first SID's opening quote
 SEPARATOR = '","'
 END = '"]}'
-_ESCAPES = set('"\\/bfnrt')  # JSON escapes after a backslash (\uXXXX is not produced by our traces)
+# JSON escapes after a backslash; a unicode escape (backslash-u and four hex digits) is not accepted:
+# traces are written with ensure_ascii=False and cleaned of control characters, so none has one.
+_ESCAPES = set('"\\/bfnrt')
 
 
 class TokenConstraint(Protocol):
