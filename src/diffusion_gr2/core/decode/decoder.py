@@ -21,10 +21,9 @@ grammar of `grammar.py`): a token is only committed when its row's constraint al
 own probability still decides how many tokens a step commits; the constraint only ever takes commits
 away: a disallowed choice (the arg-max, or the sample) is replaced by the best allowed token (or a
 sample among them) where a commit is due (the leftmost masked position, the step cap, AR), and ends
-the step's run anywhere else. Each such correction is
-counted in `DecodeOutput.forced`, so an output with `forced == 0` is token for token what
-unconstrained greedy decoding gives. Needs the `prefix` rule: only there is every committed token's
-left context committed, which is what the constraint reads.
+the step's run anywhere else. Each such correction is counted in `DecodeOutput.forced`, so an output
+with `forced == 0` is token for token what unconstrained greedy decoding gives. Needs the `prefix`
+rule: only there is every committed token's left context committed, which is what the constraint reads.
 
 Batching: prompts are left-padded (with matching position ids and masks) and all rows of a batch
 decode the same block together; a row that finished its block waits (it is neither changed nor
@@ -205,9 +204,8 @@ def _constrain_commits(
             chosen = torch.tensor([token_list[i][j] for i, j in zip(rows, cols, strict=True)], device=dev)
             bad = x.gather(1, chosen[:, None]).squeeze(1) == -math.inf
             if bool(bad.any()):  # the best allowed token instead (used only where a commit is due)
-                chosen[bad] = _choose(logits[r[bad], c[bad]].masked_fill(~allowed[bad], -math.inf), cfg, gen)[
-                    0
-                ]
+                best, _ = _choose(logits[r[bad], c[bad]].masked_fill(~allowed[bad], -math.inf), cfg, gen)
+                chosen[bad] = best
             logps[r, c] = torch.log_softmax(x, -1).gather(1, chosen[:, None]).squeeze(1)  # renormalised
             for i, j, token, corrected in zip(rows, cols, chosen.tolist(), bad.tolist(), strict=True):
                 if corrected:
@@ -309,7 +307,7 @@ def _denoise_block(
                 tokens,
                 logps,
                 commit,
-                [b - 1 for b in budgets],
+                [left - 1 for left in budgets],  # the canvas starts at the block's position 1
                 step == max_steps,
                 cfg,
                 gen,

@@ -5,8 +5,10 @@ threshold tau differ. Throughput counts OUTPUT tokens only (the end-of-output to
 prompt tokens: a pain point of published numbers). Latency is per request at batch 1 and per batch
 otherwise. A batch is always full: when there are fewer prompts than the batch size they are cycled,
 so batch 16 really decodes 16 rows together. Systems decode as they are served: under each request's
-answer grammar when `RerankConfig.constrained` (its per-token cost is in the figures). Each setting is warmed up before it is timed (allocator,
-kernel selection, caches), and the device is synchronised before the clock is read.
+answer grammar when `RerankConfig.constrained` (its per-token cost is in the figures). Each setting is
+warmed up before it is timed (allocator, kernel selection, caches), and the device is synchronised
+before the clock is read. With `rounds` > 1 the settings are timed round after round, so a machine
+whose speed drifts slows every setting alike.
 
 NFE counts the forward passes a row took part in (prefill included), so tokens per forward is
 output tokens / NFE; the speed-up of parallel decoding grows with output length (Diffusion-GR2), which

@@ -4,8 +4,9 @@
 candidate SIDs and maps the SIDs back to item ids; an invalid answer is served the pre-rank order and
 counted (DESIGN §4). With `RerankConfig.constrained` (the default) decoding follows each request's
 answer grammar (`decode/grammar.py`), so every answer is a valid ranking; `forced` counts the
-corrections, and `unforced_rate` in the metrics is the model's own valid-output rate. Its rows are the `rankings.parquet` contract: every number in
-`stage_metrics.json` is recomputable from them alone (`stage_metrics`).
+corrections, and `unforced_rate` in the metrics is the model's own valid-output rate. Its rows are
+the `rankings.parquet` contract: every number in `stage_metrics.json` is recomputable from them alone
+(`stage_metrics`).
 
 `tau` is the commit threshold of block diffusion; AR systems have none (NaN in the frame, null in
 JSON) and decode with block size 1 whatever their config says.
@@ -217,6 +218,11 @@ def ranking_rows(
     return pd.DataFrame(rows, columns=list(RANKING_COLUMNS))
 
 
+def _unforced(rows: pd.DataFrame) -> pd.Series:
+    """Rows whose answer is valid with no grammar correction: what free decoding gets right."""
+    return rows["valid"] & (rows["forced"] == 0)
+
+
 def rerank(
     model: PreTrainedModel,
     requests: pd.DataFrame,
@@ -233,7 +239,7 @@ def rerank(
     label = system if tau is None else f"{system} tau={tau}"
     outputs = decode_requests(model, list(requests["prompt_ids"]), config, desc=label, grammars=grammars)
     rows = ranking_rows(requests, outputs, tokenizer, system, tau)
-    unforced = rows["valid"] & (rows["forced"] == 0)
+    unforced = _unforced(rows)
     logger.info(
         "%s: %d requests, valid %.1f%% (%.1f%% without a grammar correction), %.1f output tokens "
         "and %.1f forwards per request",
@@ -275,7 +281,7 @@ def rankings_summary(rankings: pd.DataFrame) -> dict[str, dict[str, float]]:
         nfe = int(rows["nfe"].sum())
         out[system_key(system, tau)] = {
             "valid_rate": float(rows["valid"].mean()),
-            "unforced_rate": float((rows["valid"] & (rows["forced"] == 0)).mean()),
+            "unforced_rate": float(_unforced(rows).mean()),
             "mean_output_tokens": float(rows["output_tokens"].mean()),
             "mean_nfe": float(rows["nfe"].mean()),
             "tokens_per_forward": float(rows["output_tokens"].sum()) / nfe if nfe else 0.0,
