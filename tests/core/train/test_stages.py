@@ -57,6 +57,11 @@ def task() -> dict:
     }
 
 
+def policy_model(tok, block_size: int):
+    """A tiny random policy: AR for block size 1, a converted block-diffusion model otherwise."""
+    return tiny_model_for(tok, block_size if block_size > 1 else None)
+
+
 def run(model, make_batch, loss_fn, tmp_path, steps: int = 2, lr: float = 1e-3):
     config = TrainConfig(output_dir=str(tmp_path), max_steps=steps, lr=lr, checkpoint_every=0, progress=False)
     return train(model, make_batch, loss_fn, config)
@@ -65,7 +70,7 @@ def run(model, make_batch, loss_fn, tmp_path, steps: int = 2, lr: float = 1e-3):
 @pytest.mark.parametrize("block_size", [1, 4])
 def test_supervised_loss_decreases(task: dict, tmp_path, block_size: int) -> None:
     tok = task["tokenizer"]
-    model = tiny_model_for(tok, block_size if block_size > 1 else None)
+    model = policy_model(tok, block_size)
     config = SupervisedConfig(batch_size=4, block_size=block_size)
     make_batch = example_batches(task["sft"], tok.pad_token_id, config)
     loss_fn = supervised_loss(config, tok.mask_token_id)
@@ -99,7 +104,7 @@ def assert_replay_matches_the_decoder(model, rollouts, pad_id: int, temperature:
 @pytest.mark.parametrize(("block_size", "rule"), [(1, "prefix"), (4, "prefix"), (4, "confident")])
 def test_rollouts_are_scored_and_replayed(task: dict, block_size: int, rule: str) -> None:
     tok = task["tokenizer"]
-    model = tiny_model_for(tok, block_size if block_size > 1 else None)
+    model = policy_model(tok, block_size)
     config = RolloutConfig(group_size=2, max_new_tokens=24, threshold=0.5, commit_rule=rule)
     assert rollout_decode_config(model, tok, config, seed=0).commit_rule == rule  # rollouts decode as served
     rollouts = sample_rollouts(model, tok, task["requests"].head(2), config, seed=0)
@@ -114,7 +119,7 @@ def test_constrained_rollouts_are_valid_and_replay_the_constrained_policy(
     task: dict, block_size: int
 ) -> None:
     tok = task["tokenizer"]
-    model = tiny_model_for(tok, block_size if block_size > 1 else None)
+    model = policy_model(tok, block_size)
     config = RolloutConfig(group_size=2, max_new_tokens=64, threshold=0.5, constrained=True)
     rollouts = sample_rollouts(model, tok, task["requests"].head(2), config, seed=0)
     assert rollouts.valid.all() and (rollouts.rewards > -1).all()  # the reward is about ranking only
@@ -143,7 +148,7 @@ def test_grpo_loss_scores_only_kept_groups_and_equals_the_masked_full_batch(
     task: dict, block_size: int
 ) -> None:
     tok = task["tokenizer"]
-    model = tiny_model_for(tok, block_size if block_size > 1 else None)
+    model = policy_model(tok, block_size)
     config = RolloutConfig(prompts_per_step=2, group_size=2, max_new_tokens=16, threshold=0.5)
     batch = grpo_batches(tok, task["requests"], config)(0, model)
     g = batch.grpo
