@@ -1,6 +1,6 @@
 """Decode throughput: our decoder (AR and block diffusion) vs `transformers` `generate`.
 
-    .venv/bin/python benchmarks/decode_bench.py [--prompt-len 300] [--new-tokens 130] [--threads 2]
+    .venv/bin/python benchmarks/decode_bench.py [--prompt-len 300] [--new-tokens 130] [--threads 2] [--device cuda]
 
 One random Qwen3 of the default `ModelSpec` size, ~300-token prompts, ~130 output tokens, batch 1
 and 16. Output tokens per second count generated tokens only (never prompt tokens). A random model is
@@ -49,6 +49,8 @@ def _timed(fns: list[Callable[[], int]], repeats: int) -> list[tuple[float, int]
         for i, fn in enumerate(fns):
             start = time.perf_counter()
             tokens[i] = fn()
+            if torch.cuda.is_available():  # GPU work is asynchronous: wait for it before reading the clock
+                torch.cuda.synchronize()
             best[i] = min(best[i], time.perf_counter() - start)
     return list(zip(best, tokens, strict=True))
 
@@ -63,7 +65,7 @@ def _ours(model: PreTrainedModel, prompts: list[list[int]], cfg: DecodeConfig) -
 
 
 def _hf(model: PreTrainedModel, prompts: list[list[int]], new_tokens: int) -> Callable[[], int]:
-    ids = torch.tensor(prompts)  # equal lengths: no padding needed
+    ids = torch.tensor(prompts, device=model.device)  # equal lengths: no padding needed
 
     @torch.inference_mode()
     def run() -> int:
@@ -89,14 +91,16 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=2048)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--device", default="cpu")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    model = build_model(ModelSpec(), _tokenizer(args.vocab))
+    model = build_model(ModelSpec(), _tokenizer(args.vocab)).to(args.device)
     gen = torch.Generator().manual_seed(0)
     all_prompts = torch.randint(2, args.vocab, (16, args.prompt_len), generator=gen).tolist()
     n_params = sum(p.numel() for p in model.parameters()) / 1e6
     print(
-        f"model {n_params:.2f}M params, prompt {args.prompt_len}, new tokens {args.new_tokens}, threads {args.threads}"
+        f"model {n_params:.2f}M params, prompt {args.prompt_len}, new tokens {args.new_tokens}, "
+        f"device {args.device}, threads {args.threads}"
     )
     print(f"{'system':34s} {'batch':>5s} {'tok/s':>8s} {'NFE/sample':>10s} {'tok/fwd':>8s}")
     ar = DecodeConfig(max_new_tokens=args.new_tokens, batch_size=16)

@@ -18,7 +18,7 @@ from diffusion_gr2.core.rank.metrics import METRICS
 from diffusion_gr2.core.rank.rerank import AR_SYSTEMS, DIFFUSION_SYSTEMS, SYSTEMS, stage_metrics
 from tests.conftest import isolated_project, run_kedro
 from tests.core.model.tiny import tiny_model_for
-from tests.core.rank.test_rerank import make_world
+from tests.core.rank.world import make_world
 
 N_USERS, SMOKE_USERS, SMOKE_TAUS = 10, 8, [0.9]  # smoke params: max_users 8, taus [0.9]
 

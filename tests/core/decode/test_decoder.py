@@ -6,13 +6,11 @@ import dataclasses
 
 import pytest
 import torch
-import transformers.integrations.flex_attention as hf_flex
-from torch.nn.attention.flex_attention import flex_attention
 from transformers import PreTrainedModel
 
 from diffusion_gr2.core.decode.decoder import DecodeConfig, DecodeOutput, _commit_mask, decode
 from diffusion_gr2.core.decode.kv_cache import BufferLayer
-from tests.core.model.tiny import MASK, random_prompts, same_weights, tiny_model
+from tests.core.model.tiny import ATOL, MASK, random_prompts, same_weights, tiny_model, uncompiled_flex_on_cpu
 
 torch.set_num_threads(1)
 LENGTHS = [7, 12, 3, 9, 5]
@@ -30,7 +28,13 @@ def prompts() -> list[list[int]]:
 
 def _generate(model: PreTrainedModel, prompt: list[int], n: int, eos: tuple[int, ...] = ()) -> list[int]:
     kwargs = {"eos_token_id": list(eos)} if eos else {}
-    out = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=n, pad_token_id=0, **kwargs)
+    out = model.generate(
+        torch.tensor([prompt], device=model.device),
+        do_sample=False,
+        max_new_tokens=n,
+        pad_token_id=0,
+        **kwargs,
+    )
     return out[0, len(prompt) :].tolist()
 
 
@@ -79,7 +83,7 @@ def test_block_cached_equals_recompute(
     for a, b in zip(cached, full, strict=True):
         assert (a.tokens, a.commit_steps, a.nfe) == (b.tokens, b.commit_steps, b.nfe)
         torch.testing.assert_close(
-            torch.tensor(a.token_logprobs), torch.tensor(b.token_logprobs), atol=1e-5, rtol=0
+            torch.tensor(a.token_logprobs), torch.tensor(b.token_logprobs), atol=ATOL, rtol=0
         )
     steps = [s for o in cached for s in o.commit_steps]
     assert max(steps) > 1  # several steps in some block ...
@@ -204,12 +208,7 @@ def test_block_size_above_one_needs_the_mask_token(model: PreTrainedModel, promp
 def test_eager_and_flex_backends_decode_the_same(
     model: PreTrainedModel, prompts: list[list[int]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # uncompiled flex (transformers would spend ~20 s compiling it on CPU); same masks, same maths
-    monkeypatch.setattr(
-        hf_flex,
-        "compile_friendly_flex_attention",
-        lambda q, k, v, training=False, **kw: flex_attention(q, k, v, **kw),
-    )
+    uncompiled_flex_on_cpu(monkeypatch)
     cfg = DecodeConfig(block_size=4, threshold=0.5, max_new_tokens=8, mask_token_id=MASK)
     ref = decode(model, prompts[:2], cfg)
     for attn in ("eager", "flex_attention"):

@@ -18,7 +18,7 @@ from diffusion_gr2.core.text.parser import parse_answer
 from diffusion_gr2.core.text.prompt import render_answer
 from diffusion_gr2.core.text.tokenizer import IM_END, decode_response
 from tests.core.model.tiny import MASK, random_prompts, tiny_model, tiny_model_for
-from tests.core.rank.test_rerank import make_world
+from tests.core.rank.world import make_world
 
 
 @pytest.fixture(scope="module")

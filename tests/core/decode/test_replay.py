@@ -11,7 +11,7 @@ from transformers import PreTrainedModel
 from diffusion_gr2.core.decode.decoder import DecodeConfig, DecodeOutput, decode
 from diffusion_gr2.core.decode.replay import replay_batch_logits, replay_logits, replay_logprobs
 from diffusion_gr2.core.model.diffusion import response_logits
-from tests.core.model.tiny import MASK, random_prompts, tiny_model
+from tests.core.model.tiny import ATOL, DEVICE, MASK, random_prompts, tiny_model
 
 torch.set_num_threads(1)
 PROMPTS = random_prompts([7, 12, 3, 9])
@@ -33,7 +33,7 @@ def _decode_with_mid_block_eos(
 
 
 def _assert_logprobs_close(got: torch.Tensor, out: DecodeOutput) -> None:
-    torch.testing.assert_close(got, torch.tensor(out.token_logprobs), atol=2e-5, rtol=0)
+    torch.testing.assert_close(got.cpu(), torch.tensor(out.token_logprobs), atol=2 * ATOL, rtol=0)
 
 
 @pytest.mark.parametrize(
@@ -67,9 +67,9 @@ def test_batched_replay_equals_each_rollout_alone(model: PreTrainedModel, k: int
     for i, (prompt, out) in enumerate(zip(PROMPTS, outputs, strict=True)):
         r = len(out.tokens)
         torch.testing.assert_close(
-            batch[i, :r], replay_logits(model, prompt, out, k, MASK), atol=2e-5, rtol=0
+            batch[i, :r], replay_logits(model, prompt, out, k, MASK), atol=2 * ATOL, rtol=0
         )
-        taken = torch.tensor(out.tokens)
+        taken = torch.tensor(out.tokens, device=DEVICE)
         _assert_logprobs_close(batch[i, :r].log_softmax(-1).gather(-1, taken[:, None]).squeeze(-1), out)
 
 
@@ -99,7 +99,7 @@ def test_replay_needs_the_tail_of_the_final_block(model: PreTrainedModel) -> Non
     _assert_logprobs_close(replay_logprobs(model, PROMPTS[row], out, 8, MASK), out)
     no_tail = dataclasses.replace(out, tail_tokens=[], tail_steps=[])
     assert not torch.allclose(
-        replay_logprobs(model, PROMPTS[row], no_tail, 8, MASK), torch.tensor(out.token_logprobs)
+        replay_logprobs(model, PROMPTS[row], no_tail, 8, MASK).cpu(), torch.tensor(out.token_logprobs)
     )
 
 
@@ -127,7 +127,7 @@ def _canvas_at_step(out: DecodeOutput, k: int, step: int) -> tuple[torch.Tensor,
     tokens = torch.tensor([*out.tokens, *out.tail_tokens])
     steps = torch.tensor([*out.commit_steps, *out.tail_steps])
     noisy = torch.where((steps >= 0) & (steps < step), tokens, MASK)
-    return tokens[None], noisy[None]
+    return tokens[None].to(DEVICE), noisy[None].to(DEVICE)
 
 
 @pytest.mark.parametrize("tau", [0.9, 0.5])
@@ -142,9 +142,13 @@ def test_training_forward_pins_the_token_shift_convention(model: PreTrainedModel
         checked = torch.zeros(len(out.tokens), dtype=torch.bool)
         for step in range(1, int(steps.max()) + 1):
             resp, noisy = _canvas_at_step(out, k, step)
-            logp = response_logits(model, torch.tensor([prompt]), resp, k, noisy)[0].log_softmax(-1)
-            taken = logp[: len(out.tokens)].gather(-1, resp[0, : len(out.tokens), None]).squeeze(-1)
+            logp = response_logits(model, torch.tensor([prompt], device=DEVICE), resp, k, noisy)[
+                0
+            ].log_softmax(-1)
+            taken = logp[: len(out.tokens)].gather(-1, resp[0, : len(out.tokens), None]).squeeze(-1).cpu()
             here = (steps == step) | (steps == 0)
-            torch.testing.assert_close(taken[here], torch.tensor(out.token_logprobs)[here], atol=2e-5, rtol=0)
+            torch.testing.assert_close(
+                taken[here], torch.tensor(out.token_logprobs)[here], atol=2 * ATOL, rtol=0
+            )
             checked |= here
         assert bool(checked.all())

@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-import transformers.integrations.flex_attention as hf_flex
-from torch.nn.attention.flex_attention import flex_attention
 
 from diffusion_gr2.core.model.diffusion import layout_hidden, response_logits
 from diffusion_gr2.core.model.masks import prompt_response_layout, two_copy_layout
-from tests.core.model.tiny import MASK, same_weights, tiny_model
+from tests.core.model.tiny import ATOL, DEVICE, MASK, same_weights, tiny_model, uncompiled_flex_on_cpu
 
 K = 4
 torch.set_num_threads(1)
@@ -25,7 +23,7 @@ def _batch() -> tuple[torch.Tensor, ...]:
     rm = torch.ones(3, 10, dtype=torch.bool)
     rm[1, 7:] = False
     noisy = torch.where(torch.rand(3, 10, generator=gen) < 0.5, MASK, resp)
-    return prompt, pm, resp, rm, noisy
+    return tuple(t.to(DEVICE) for t in (prompt, pm, resp, rm, noisy))
 
 
 @torch.no_grad()
@@ -37,7 +35,7 @@ def test_two_copy_clean_half_equals_block_causal_forward() -> None:
     one = layout_hidden(model, torch.cat([prompt, resp], 1), prompt_response_layout(pm, rm, K))
     valid = torch.cat([pm, rm], 1)
     clean_half = torch.cat([two[:, :p], two[:, p + r :]], 1)
-    torch.testing.assert_close(clean_half[valid], one[valid], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(clean_half[valid], one[valid], atol=ATOL, rtol=1e-5)
 
 
 @torch.no_grad()
@@ -49,7 +47,7 @@ def test_noisy_block_never_sees_later_blocks() -> None:
     later_resp[:, 2 * K :] = 7  # change blocks >= 2 in both copies
     later_noisy[:, 2 * K :] = 9
     changed = response_logits(model, prompt, later_resp, K, later_noisy, pm, rm)
-    torch.testing.assert_close(changed[:, : 2 * K + 1], base[:, : 2 * K + 1], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(changed[:, : 2 * K + 1], base[:, : 2 * K + 1], atol=ATOL, rtol=1e-5)
     assert not torch.allclose(changed[0, 2 * K + 1 :], base[0, 2 * K + 1 :])  # the test can fail
 
 
@@ -63,7 +61,7 @@ def test_noise_views_sharing_one_sequence_equal_separate_forwards() -> None:
     assert shared.shape[:3] == (3, 2, 10)
     for view, canvas in enumerate((noisy, other)):
         alone = response_logits(model, prompt, resp, K, canvas, pm, rm)
-        torch.testing.assert_close(shared[:, view][rm], alone[rm], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(shared[:, view][rm], alone[rm], atol=ATOL, rtol=1e-5)
     assert not torch.allclose(shared[:, 0][rm], shared[:, 1][rm])  # the views really differ
 
 
@@ -75,9 +73,9 @@ def test_noisy_tokens_of_a_block_change_only_that_block() -> None:
     other = noisy.clone()
     other[:, K + 1 : 2 * K] = MASK if bool((noisy[:, K + 1 : 2 * K] != MASK).any()) else 5
     changed = response_logits(model, prompt, resp, K, other, pm, rm)
-    outside = torch.ones(10, dtype=torch.bool)
+    outside = torch.ones(10, dtype=torch.bool, device=DEVICE)
     outside[K + 1 : 2 * K] = False  # the block's first token comes from the clean copy: unaffected
-    torch.testing.assert_close(changed[:, outside], base[:, outside], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(changed[:, outside], base[:, outside], atol=ATOL, rtol=1e-5)
     assert not torch.allclose(changed[:, K + 1 : 2 * K], base[:, K + 1 : 2 * K])
 
 
@@ -90,7 +88,7 @@ def test_block_size_one_is_the_shifted_causal_forward() -> None:
         p, r = int(pm[b].sum()), int(rm[b].sum())
         ids = torch.cat([prompt[b, :p], resp[b, :r]])[None]
         ref = model(ids).logits[0, p - 1 : p + r - 1]  # hidden state at i-1 predicts token i
-        torch.testing.assert_close(logits[b, :r], ref, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(logits[b, :r], ref, atol=ATOL, rtol=1e-5)
 
 
 def test_block_size_above_one_needs_a_noisy_copy() -> None:
@@ -102,16 +100,10 @@ def test_block_size_above_one_needs_a_noisy_copy() -> None:
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 @torch.no_grad()
 def test_sdpa_eager_and_flex_masks_give_the_same_logits(monkeypatch: pytest.MonkeyPatch) -> None:
-    # transformers compiles flex attention on first use (~20 s per shape on CPU with inductor); the
-    # uncompiled flex path evaluates the same BlockMask, so the test checks the mask, not the kernel.
-    monkeypatch.setattr(
-        hf_flex,
-        "compile_friendly_flex_attention",
-        lambda q, k, v, training=False, **kw: flex_attention(q, k, v, **kw),
-    )
+    uncompiled_flex_on_cpu(monkeypatch)
     sdpa = tiny_model()
     prompt, pm, resp, rm, noisy = _batch()
     ref = response_logits(sdpa, prompt, resp, K, noisy, pm, rm)
     for attn in ("eager", "flex_attention"):
         out = response_logits(same_weights(sdpa, attn), prompt, resp, K, noisy, pm, rm)
-        torch.testing.assert_close(out[rm], ref[rm], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(out[rm], ref[rm], atol=ATOL, rtol=1e-5)

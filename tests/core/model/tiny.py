@@ -3,13 +3,24 @@
 from __future__ import annotations
 
 import copy
+import os
 
+import pytest
 import torch
+import transformers.integrations.flex_attention as hf_flex
 from tokenizers import Tokenizer, models
+from torch.nn.attention.flex_attention import flex_attention
 from transformers import PreTrainedModel, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
 VOCAB = 128
 PAD, MASK, EOS = 0, 1, 2  # ids in `tiny_tokenizer`
+
+# The model, decode and replay tests run on the CPU. `DIFFUSION_GR2_TEST_DEVICE=cuda` runs the same
+# tests on a GPU (benchmarks/device_check.sh), where the flex-attention tests use the compiled kernel.
+DEVICE = torch.device(os.environ.get("DIFFUSION_GR2_TEST_DEVICE", "cpu"))
+# fp32 logits of different kernels (eager, SDPA, flex; cached vs recomputed) agree to ~1e-6 on the
+# CPU; GPU kernels reorder their sums more, so comparisons there allow ten times more.
+ATOL = 1e-5 if DEVICE.type == "cpu" else 1e-4
 
 
 def tiny_config(attn: str = "sdpa") -> Qwen3Config:
@@ -41,7 +52,7 @@ def tiny_model(attn: str = "sdpa", head_scale: float = 5.0, seed: int = 0) -> Pr
         model = Qwen3ForCausalLM(tiny_config(attn)).eval()
     with torch.no_grad():
         model.lm_head.weight.mul_(head_scale)
-    return model
+    return model.to(DEVICE)
 
 
 def same_weights(model: PreTrainedModel, attn: str) -> PreTrainedModel:
@@ -50,7 +61,21 @@ def same_weights(model: PreTrainedModel, attn: str) -> PreTrainedModel:
     config._attn_implementation = attn
     twin = Qwen3ForCausalLM(config).eval()
     twin.load_state_dict(model.state_dict())
-    return twin
+    return twin.to(DEVICE)
+
+
+def uncompiled_flex_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the CPU, flex attention without `torch.compile`: the same BlockMask and maths.
+
+    transformers compiles flex attention on first use (~20 s per shape on CPU with inductor), so on
+    the CPU the flex tests check the mask, not the kernel; on a GPU they run the compiled kernel.
+    """
+    if DEVICE.type == "cpu":
+        monkeypatch.setattr(
+            hf_flex,
+            "compile_friendly_flex_attention",
+            lambda q, k, v, training=False, **kw: flex_attention(q, k, v, **kw),
+        )
 
 
 def tiny_tokenizer(size: int = VOCAB) -> PreTrainedTokenizerFast:

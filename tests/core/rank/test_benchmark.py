@@ -24,7 +24,7 @@ from diffusion_gr2.core.rank.plots import speedup_figure
 from diffusion_gr2.core.rank.rerank import RerankConfig, decode_config_for
 from diffusion_gr2.core.text.tokenizer import IM_END
 from tests.core.model.tiny import tiny_model_for
-from tests.core.rank.test_rerank import make_world
+from tests.core.rank.world import make_world
 
 MAX_NEW = 8
 

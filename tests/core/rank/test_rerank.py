@@ -30,33 +30,14 @@ from diffusion_gr2.core.rank.rerank import (
     select_requests,
     stage_metrics,
 )
-from diffusion_gr2.core.text.examples import encode_requests
 from diffusion_gr2.core.text.parser import DUPLICATE_ID, INVALID_JSON, OK
-from diffusion_gr2.core.text.prompt import ItemLookup, PromptConfig, build_messages, render_answer
-from diffusion_gr2.core.text.tokenizer import IM_END, build_tokenizer
+from diffusion_gr2.core.text.prompt import render_answer
+from diffusion_gr2.core.text.tokenizer import IM_END
 from diffusion_gr2.core.tracking.mlflow_utils import as_metrics_history
 from tests.core.model.tiny import tiny_model_for
-from tests.core.text.synthetic import make_candidates, make_items, make_sids, sid_tokens
+from tests.core.rank.world import make_world
 
 STAGE_KEYS = ["system", "tau", "n", *METRICS, "ci"]
-
-
-def make_world(n_users: int = 6, seed: int = 2) -> tuple[PreTrainedTokenizerFast, pd.DataFrame]:
-    """A tokenizer trained on synthetic prompts/answers and the `requests` frame of `n_users` test users."""
-    items, sids = make_items(40, seed=0), make_sids(40, seed=1)
-    cands = make_candidates(items, n_users, seed, history_len=5).assign(split="test")
-    config = PromptConfig()
-    lookup = ItemLookup.from_frames(items, sids, config)
-    texts = []
-    for row in cands.itertuples(index=False):
-        texts += [
-            m["content"] for m in build_messages(list(row.history), list(row.candidates), lookup, config)
-        ]
-        texts.append(
-            render_answer("The user watches dramas, so drama comes first.", lookup.sids(row.candidates))
-        )
-    tokenizer = build_tokenizer(texts, sid_tokens(), vocab_size=400)
-    return tokenizer, encode_requests(cands, lookup, tokenizer, config)
 
 
 @pytest.fixture(scope="module")

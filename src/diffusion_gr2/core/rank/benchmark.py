@@ -32,7 +32,14 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from diffusion_gr2.core.decode.decoder import DecodeConfig, decode
 from diffusion_gr2.core.decode.grammar import TokenConstraint
-from diffusion_gr2.core.rank.rerank import AR_SYSTEMS, RerankConfig, decode_config_for
+from diffusion_gr2.core.rank.rerank import (
+    AR_SYSTEMS,
+    RerankConfig,
+    decode_config_for,
+    prepare_model,
+    request_grammars,
+    select_requests,
+)
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -41,6 +48,7 @@ __all__ = [
     "BENCHMARK_KEYS",
     "BenchmarkConfig",
     "BenchmarkResult",
+    "benchmark_requests",
     "describe_device",
     "format_table",
     "full_batches",
@@ -227,6 +235,28 @@ def run_benchmark(
     length_rows = speedup_by_length(frame, config.length_buckets, config.reference)
     logger.info("decode benchmark (output tokens only)\n%s", format_table(rows))
     return BenchmarkResult(rows, frame, length_rows)
+
+
+def benchmark_requests(
+    models: Mapping[str, PreTrainedModel],
+    requests: pd.DataFrame,
+    tokenizer: PreTrainedTokenizerBase,
+    decoding: RerankConfig,
+    config: BenchmarkConfig,
+    split: str = "test",
+) -> BenchmarkResult:
+    """`run_benchmark` on the first `config.n_prompts` requests of `split`, as they are served.
+
+    Models go to `decoding.device`; each request decodes under its answer grammar when
+    `decoding.constrained`. The Kedro node and `benchmarks/saved_models_bench.py` both call this.
+    """
+    chosen = select_requests(requests, split, config.n_prompts)
+    if chosen.empty:
+        raise ValueError(f"no {split!r} requests to benchmark")
+    prompts = [list(p) for p in chosen["prompt_ids"]]
+    grammars = request_grammars(tokenizer, chosen) if decoding.constrained else None
+    placed = {name: prepare_model(model, decoding.device) for name, model in models.items()}
+    return run_benchmark(placed, prompts, tokenizer, decoding, config, grammars=grammars)
 
 
 def _bucket_of(n_tokens: int, edges: Sequence[int]) -> str:

@@ -9,15 +9,9 @@ import pandas as pd
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
-from diffusion_gr2.core.rank.benchmark import BenchmarkConfig, run_benchmark
+from diffusion_gr2.core.rank.benchmark import BenchmarkConfig, benchmark_requests
 from diffusion_gr2.core.rank.plots import speedup_figure
-from diffusion_gr2.core.rank.rerank import (
-    RerankConfig,
-    prepare_model,
-    request_grammars,
-    select_requests,
-    system_key,
-)
+from diffusion_gr2.core.rank.rerank import RerankConfig, system_key
 from diffusion_gr2.core.tracking.mlflow_utils import as_metrics_history
 
 
@@ -26,7 +20,8 @@ def _cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-def _benchmark_config(params: dict[str, Any]) -> BenchmarkConfig:
+def benchmark_config(params: dict[str, Any]) -> BenchmarkConfig:
+    """`BenchmarkConfig` from the `benchmark.timing` parameters (YAML lists become tuples)."""
     timing = {k: tuple(v) if isinstance(v, list) else v for k, v in params["timing"].items()}
     return BenchmarkConfig(**timing)
 
@@ -39,12 +34,8 @@ def benchmark_decoding(
 ) -> dict[str, Any]:
     """Time every system on the first `n_prompts` test requests, at each tau and batch size."""
     torch.set_num_threads(params["num_threads"] or _cores())  # the benchmark owns the process
-    decoding, config = RerankConfig(**params["decoding"]), _benchmark_config(params)
-    chosen = select_requests(requests, params["split"], config.n_prompts)
-    prompts = [list(p) for p in chosen["prompt_ids"]]
-    grammars = request_grammars(tokenizer, chosen) if decoding.constrained else None
-    placed = {name: prepare_model(model, decoding.device) for name, model in models.items()}
-    result = run_benchmark(placed, prompts, tokenizer, decoding, config, grammars=grammars)
+    decoding, config = RerankConfig(**params["decoding"]), benchmark_config(params)
+    result = benchmark_requests(models, requests, tokenizer, decoding, config, params["split"])
     measured = (
         "output_tokens_per_s",
         "nfe_per_sample",

@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Every GPU check in one run, for a CUDA machine that has PyTorch, transformers and pytest but not the
+# project's environment (no Kedro, no MLflow): the package is used from src/ as it is.
+#
+#   bash benchmarks/device_check.sh OUT_DIR
+#
+# 1. The model, mask, decode and replay tests on the GPU (DIFFUSION_GR2_TEST_DEVICE=cuda): cached vs
+#    recomputed decoding, batched vs one-by-one, B = 1 vs `generate`, replay vs the decoder's
+#    log-probs, and SDPA / eager / compiled flex attention agreeing on the 2L and inference masks.
+# 2. The benchmark pipeline's measurement on the trained models (data/06_models, from `make run`).
+# 3. Our decoder against `transformers` `generate` on a random model of the default size.
+set -uo pipefail
+out=${1:?usage: device_check.sh OUT_DIR}
+mkdir -p "$out"
+cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD/src:$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+export HF_HUB_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1 TRANSFORMERS_OFFLINE=1 DO_NOT_TRACK=1
+status=0
+
+{
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
+    python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, 'cuda', torch.version.cuda)"
+} 2>&1 | tee "$out/environment.txt"
+
+echo "== tests on cuda"
+DIFFUSION_GR2_TEST_DEVICE=cuda python3 -m pytest tests/core/model tests/core/decode -q -rfE \
+    -p no:cacheprovider 2>&1 | tee "$out/tests_cuda.log" || status=1
+
+echo "== trained models, benchmark on cuda"
+if [ -f data/06_models/ar_rl/config.json ]; then
+    python3 benchmarks/saved_models_bench.py --device cuda --rounds "${ROUNDS:-1}" \
+        --systems ${SYSTEMS:-ar_rl cft rl} --out "$out" 2>&1 | tee "$out/benchmark_cuda.log" || status=1
+else
+    echo "no trained models under data/06_models: skipped (run make run first)" | tee "$out/benchmark_cuda.log"
+fi
+
+echo "== our decoder vs transformers generate on cuda"
+python3 benchmarks/decode_bench.py --device cuda --repeats 3 2>&1 | tee "$out/decode_bench_cuda.log" || status=1
+exit $status

@@ -1,0 +1,70 @@
+"""The `benchmark` pipeline's measurement on saved models, without Kedro or MLflow.
+
+    .venv/bin/python benchmarks/saved_models_bench.py [--device cuda] [--systems ar_rl cft rl] [--out DIR]
+
+Reads the trained systems from `data/06_models/<system>`, the requests from
+`data/05_model_input/requests.parquet` and every setting from `conf/base/parameters_benchmark.yml`
+(flags override a few), then times them with the same core function as the Kedro node
+(`core.rank.benchmark.benchmark_requests`). Made for machines that hold the models but not the
+project's environment, such as a GPU box with only PyTorch and transformers. Writes
+`benchmark.json` and `speedup_by_length.json` to `--out` and prints the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from pathlib import Path
+
+import pandas as pd
+import torch
+import yaml
+from transformers import AutoTokenizer
+
+from diffusion_gr2.core.model.factory import load_model
+from diffusion_gr2.core.rank.benchmark import BenchmarkConfig, benchmark_requests, format_table
+from diffusion_gr2.core.rank.rerank import RerankConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", type=Path, default=ROOT / "data/06_models")
+    parser.add_argument("--requests", type=Path, default=ROOT / "data/05_model_input/requests.parquet")
+    parser.add_argument("--params", type=Path, default=ROOT / "conf/base/parameters_benchmark.yml")
+    parser.add_argument("--systems", nargs="+", default=["ar_rl", "cft", "opd", "rl"])
+    parser.add_argument("--device", default=None, help="overrides benchmark.decoding.device")
+    parser.add_argument("--rounds", type=int, default=None, help="overrides benchmark.timing.rounds")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument("--out", type=Path, default=Path("."))
+    args = parser.parse_args()
+
+    params = yaml.safe_load(args.params.read_text())["benchmark"]
+    timing = {k: tuple(v) if isinstance(v, list) else v for k, v in params["timing"].items()}
+    config = BenchmarkConfig(**timing)
+    if args.rounds is not None:
+        config = dataclasses.replace(config, rounds=args.rounds)
+    decoding = RerankConfig(**params["decoding"])
+    if args.device is not None:
+        decoding = dataclasses.replace(decoding, device=args.device)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+
+    missing = [s for s in args.systems if not (args.models / s / "config.json").is_file()]
+    if missing:
+        raise SystemExit(f"{args.models}: no saved model for {missing} (run the pipeline first)")
+    tokenizer = AutoTokenizer.from_pretrained(args.models / "tokenizer", local_files_only=True)
+    models = {s: load_model(args.models / s) for s in args.systems}
+    requests = pd.read_parquet(args.requests)
+    result = benchmark_requests(models, requests, tokenizer, decoding, config, params["split"])
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "benchmark.json").write_text(json.dumps(result.rows, indent=2))
+    (args.out / "speedup_by_length.json").write_text(json.dumps(result.length_rows, indent=2))
+    print(format_table(result.rows))
+
+
+if __name__ == "__main__":
+    main()
