@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import replace
 from pathlib import Path
 
@@ -10,7 +11,7 @@ import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from diffusion_gr2.core.train.checkpoint import checkpoint_dirs, latest_checkpoint
-from diffusion_gr2.core.train.loop import TrainConfig, _lr_factor, seed_everything, train
+from diffusion_gr2.core.train.loop import TrainConfig, _lr_factor, move_to, seed_everything, train
 
 torch.set_num_threads(1)
 
@@ -192,3 +193,23 @@ def test_resume_exact_with_tied_weight_transformer(tmp_path: Path) -> None:
     assert result.resumed_from == 2
     assert resumed.lm_head.weight.data_ptr() == resumed.model.embed_tokens.weight.data_ptr()  # still tied
     _assert_same_weights(resumed, ref_model)
+
+
+def test_move_to_moves_every_tensor_of_a_nested_batch_and_nothing_else() -> None:
+    @dataclasses.dataclass(frozen=True)
+    class Inner:
+        ids: torch.Tensor
+        tokens: list[int]
+
+    @dataclasses.dataclass(frozen=True)
+    class Outer:
+        inner: Inner
+        by_name: dict[str, torch.Tensor]
+        parts: list[Inner]
+        scale: float
+
+    batch = Outer(Inner(torch.ones(2), [1, 2]), {"a": torch.zeros(3)}, [Inner(torch.ones(1), [])], 0.5)
+    moved = move_to(batch, torch.device("meta"))  # a device every CPU build has
+    assert moved.inner.ids.is_meta and moved.by_name["a"].is_meta and moved.parts[0].ids.is_meta
+    assert moved.inner.tokens == [1, 2] and moved.scale == 0.5
+    assert not batch.inner.ids.is_meta  # the original is left as it was

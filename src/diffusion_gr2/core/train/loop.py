@@ -9,6 +9,7 @@ step reads — weights, optimizer, scheduler, RNG — is saved at the checkpoint
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -161,12 +162,36 @@ class _Run:
         return ((step * self.config.grad_accum) + micro) * acc.num_processes + acc.process_index
 
 
+def move_to(obj: Any, device: torch.device) -> Any:
+    """`obj` with every tensor on `device`, looking inside dataclasses, named tuples, dicts and sequences.
+
+    Batches are built on the CPU (collation, seeded noise); the loop moves them to the model's device.
+    """
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        fields = {f.name: move_to(getattr(obj, f.name), device) for f in dataclasses.fields(obj) if f.init}
+        return dataclasses.replace(obj, **fields)
+    if isinstance(obj, dict):
+        return {k: move_to(v, device) for k, v in obj.items()}
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        return type(obj)(*(move_to(v, device) for v in obj))
+    if isinstance(obj, list | tuple) and any(_holds_tensors(v) for v in obj):
+        return type(obj)(move_to(v, device) for v in obj)
+    return obj  # anything else (token lists, numbers, grammars) as it is
+
+
+def _holds_tensors(obj: Any) -> bool:
+    """Whether `move_to` may have a tensor to move inside `obj` (plain numbers never do)."""
+    return isinstance(obj, torch.Tensor | dict | list | tuple) or dataclasses.is_dataclass(obj)
+
+
 def _train_step(run: _Run, step: int, make_batch: MakeBatch, loss_fn: LossFn) -> dict[str, float]:
     """One optimizer step (0-based ``step``) over ``grad_accum`` micro-batches; returns its metrics."""
     config, acc = run.config, run.accelerator
     micro_metrics: list[dict[str, float]] = []
     for micro in range(config.grad_accum):
-        batch = make_batch(run.batch_index(step, micro), run.model)
+        batch = move_to(make_batch(run.batch_index(step, micro), run.model), acc.device)
         loss, metrics = loss_fn(run.model, batch)
         if not torch.isfinite(loss.detach()).all():
             raise FloatingPointError(f"non-finite loss {loss.item()} at step {step + 1}")

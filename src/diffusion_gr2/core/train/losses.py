@@ -109,9 +109,11 @@ def cft_noise(
     if r % block_size:
         raise ValueError(f"response length {r} is not a multiple of block size {block_size}")
     device = response_ids.device
-    t = torch.rand(b, r // block_size, generator=generator, device=device)  # [b, blocks]
+    # Drawn where the generator lives, then moved: the same seed gives the same noise on any device.
+    draw = generator.device if generator is not None else device
+    t = torch.rand(b, r // block_size, generator=generator, device=draw).to(device)  # [b, blocks]
     p = ((1.0 - eps) * t + eps).repeat_interleave(block_size, dim=1)  # [b, r]
-    u = torch.rand(b, r, generator=generator, device=device)  # [b, r]
+    u = torch.rand(b, r, generator=generator, device=draw).to(device)  # [b, r]
     real = (response_ids != mask_token_id) & (roles != PADDING)
     block_first = (torch.arange(r, device=device) % block_size == 0).unsqueeze(0)  # [1, r]
     maskable = real & ~block_first
