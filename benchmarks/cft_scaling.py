@@ -46,6 +46,7 @@ def main() -> None:
     parser.add_argument("--models", type=Path, default=ROOT / "data/06_models")
     parser.add_argument("--data", type=Path, default=ROOT / "data/05_model_input")
     parser.add_argument("--params", type=Path, default=ROOT / "conf/base/parameters_training.yml")
+    parser.add_argument("--lr", type=float, default=None, help="overrides cft.train.lr")
     parser.add_argument("--save", type=Path, default=None)
     parser.add_argument("--out", type=Path, default=Path("cft_scaling.json"))
     args = parser.parse_args()
@@ -63,6 +64,8 @@ def main() -> None:
         loss_fn = supervised_loss(config, tokenizer.mask_token_id)
         train_params = {**params["train"], "max_steps": steps, "cpu": args.device == "cpu"}
         train_params |= {"resume": False, "checkpoint_every": 0, "progress": False}
+        if args.lr is not None:
+            train_params["lr"] = args.lr
         start = time.perf_counter()
         with tempfile.TemporaryDirectory() as tmp:
             result = train(model, make_batch, loss_fn, TrainConfig(output_dir=tmp, **train_params))
@@ -76,6 +79,7 @@ def main() -> None:
             results.append(
                 {
                     "cft_steps": steps,
+                    "lr": train_params["lr"],
                     "tau": metrics["tau"],
                     "train_seconds": round(train_s, 1),
                     "final_loss": result.final_metrics.get("loss"),

@@ -30,7 +30,7 @@ def fingerprint(params: dict[str, Any], model: torch.nn.Module, *frames: pd.Data
     """Hash of what a training run depends on, so a resume never picks up another run's checkpoint."""
     digest = hashlib.sha256(json.dumps(params, sort_keys=True, default=str).encode())
     for tensor in model.state_dict().values():
-        digest.update(tensor.detach().float().sum().numpy().tobytes())
+        digest.update(tensor.detach().cpu().float().sum().numpy().tobytes())  # same on any device
     for frame in frames:
         digest.update(pd.util.hash_pandas_object(frame.astype(str), index=False).to_numpy().tobytes())
     return digest.hexdigest()[:12]

@@ -110,4 +110,4 @@ def tiny_model_for(tokenizer: PreTrainedTokenizerFast, block_size: int | None = 
     if block_size is not None:  # what conversion writes into the config
         model.config.block_size = block_size
         model.config.mask_token_id = tokenizer.mask_token_id
-    return model
+    return model.to(DEVICE)

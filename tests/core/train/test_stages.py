@@ -19,7 +19,7 @@ from diffusion_gr2.core.text.traces import (
     rejection_sample,
 )
 from diffusion_gr2.core.train.grpo import make_grpo_batch, policy_loss, token_logprobs
-from diffusion_gr2.core.train.loop import TrainConfig, train
+from diffusion_gr2.core.train.loop import TrainConfig, move_to, train
 from diffusion_gr2.core.train.stages import (
     RLBatch,
     RolloutConfig,
@@ -74,9 +74,9 @@ def test_supervised_loss_decreases(task: dict, tmp_path, block_size: int) -> Non
     config = SupervisedConfig(batch_size=4, block_size=block_size)
     make_batch = example_batches(task["sft"], tok.pad_token_id, config)
     loss_fn = supervised_loss(config, tok.mask_token_id)
-    before = loss_fn(model, make_batch(0, model))[0].item()
+    before = loss_fn(model, move_to(make_batch(0, model), model.device))[0].item()
     run(model, make_batch, loss_fn, tmp_path, steps=15, lr=3e-3)
-    after = loss_fn(model, make_batch(0, model))[0].item()
+    after = loss_fn(model, move_to(make_batch(0, model), model.device))[0].item()
     assert after < before - 0.3
 
 
@@ -84,7 +84,7 @@ def test_cft_with_block_size_one_is_sft(task: dict) -> None:
     tok = task["tokenizer"]
     model = tiny_model_for(tok)
     sft = SupervisedConfig(batch_size=4, block_size=1)
-    batch = example_batches(task["sft"], tok.pad_token_id, sft)(0, model)
+    batch = move_to(example_batches(task["sft"], tok.pad_token_id, sft)(0, model), model.device)
     loss_sft = supervised_loss(sft)(model, batch)[0]
     loss_b1 = supervised_loss(SupervisedConfig(batch_size=4, block_size=1), tok.mask_token_id)(model, batch)[
         0
@@ -97,8 +97,8 @@ def assert_replay_matches_the_decoder(model, rollouts, pad_id: int, temperature:
     logits = rollout_logits(model, rollouts, pad_id) / temperature
     for row, out in enumerate(rollouts.outputs):
         replayed = torch.log_softmax(logits[row, : len(out.tokens)].float(), -1)
-        taken = replayed.gather(-1, torch.tensor(out.tokens)[:, None]).squeeze(-1)
-        assert torch.allclose(taken, torch.tensor(out.token_logprobs), atol=1e-4)
+        taken = replayed.gather(-1, torch.tensor(out.tokens, device=replayed.device)[:, None]).squeeze(-1)
+        assert torch.allclose(taken.cpu(), torch.tensor(out.token_logprobs), atol=1e-4)
 
 
 @pytest.mark.parametrize(("block_size", "rule"), [(1, "prefix"), (4, "prefix"), (4, "confident")])
@@ -135,7 +135,7 @@ def test_grpo_step_runs_and_drops_zero_variance_groups(task: dict, tmp_path) -> 
     model = tiny_model_for(tok, 4)
     config = RolloutConfig(prompts_per_step=2, group_size=2, max_new_tokens=16)
     make_batch = grpo_batches(tok, task["requests"], config)
-    batch = make_batch(0, model)
+    batch = move_to(make_batch(0, model), model.device)
     _, metrics = grpo_loss(tok.pad_token_id, 0.2, 0.28)(model, batch)
     assert metrics["kept_groups"] == 0.0  # all rollouts invalid (-1): no reward variance, no signal
     before = copy.deepcopy(model.state_dict())
@@ -153,10 +153,10 @@ def test_grpo_loss_scores_only_kept_groups_and_equals_the_masked_full_batch(
     batch = grpo_batches(tok, task["requests"], config)(0, model)
     g = batch.grpo
     rewards = torch.tensor([[-1.0, -1.0], [1.0, 0.2]])  # group 0 has no variance, group 1 has
-    grpo = make_grpo_batch(None, g.old_logprobs, rewards, g.mask)
+    grpo = move_to(make_grpo_batch(None, g.old_logprobs, rewards, g.mask), model.device)
     loss, metrics = grpo_loss(tok.pad_token_id, 0.2, 0.28)(model, RLBatch(grpo, batch.rollouts, 1.0))
     full = rollout_logits(model, batch.rollouts, tok.pad_token_id).float()
-    ids = batch.rollouts.token_batch(tok.pad_token_id).response_ids
+    ids = batch.rollouts.token_batch(tok.pad_token_id).response_ids.to(full.device)
     ref, _ = policy_loss(
         token_logprobs(full, ids), grpo.old_logprobs, grpo.advantages, grpo.mask, 0.2, 0.28, grpo.keep
     )
@@ -169,14 +169,16 @@ def test_opd_loss_zero_for_identical_ar_models_and_positive_otherwise(task: dict
     teacher = tiny_model_for(tok)
     config = RolloutConfig(prompts_per_step=2, group_size=2, max_new_tokens=16)
     same = opd_batches(teacher, tok, task["requests"], config)
-    loss_same, _ = opd_loss(tok.pad_token_id)(copy.deepcopy(teacher), same(0, teacher))
+    loss_same, _ = opd_loss(tok.pad_token_id)(
+        copy.deepcopy(teacher), move_to(same(0, teacher), teacher.device)
+    )
     assert loss_same.item() == pytest.approx(0.0, abs=1e-5)
     student = tiny_model_for(tok, 4)
     with torch.no_grad():
         for p in student.parameters():
             p.add_(0.05 * torch.randn_like(p))
     loss_diff, _ = opd_loss(tok.pad_token_id)(
-        student, opd_batches(teacher, tok, task["requests"], config)(0, student)
+        student, move_to(opd_batches(teacher, tok, task["requests"], config)(0, student), student.device)
     )
     assert loss_diff.item() > 1e-3
 

@@ -25,6 +25,7 @@ from diffusion_gr2.core.rank.rewards import ranking_reward
 from diffusion_gr2.core.text.parser import parse_answer
 from diffusion_gr2.core.text.tokenizer import IM_END, decode_response
 from diffusion_gr2.core.train.grpo import GRPOBatch, make_grpo_batch, policy_loss, token_logprobs
+from diffusion_gr2.core.train.loop import move_to
 from diffusion_gr2.core.train.losses import cft_noise, forward_kl, pad_to_blocks, weighted_token_ce
 
 PADDING_ROLE = -1
@@ -256,7 +257,7 @@ def rollout_logits(
     rows = range(len(rollouts.outputs)) if rows is None else rows
     prompts, outputs = [rollouts.prompts[i] for i in rows], [rollouts.outputs[i] for i in rows]
     if rollouts.block_size == 1:
-        batch = collate(prompts, [o.tokens for o in outputs], pad_id)
+        batch = move_to(collate(prompts, [o.tokens for o in outputs], pad_id), model.device)
         logits = response_logits(
             model, batch.prompt_ids, batch.response_ids, 1, None, batch.prompt_mask, batch.response_mask
         )
@@ -320,7 +321,7 @@ def grpo_loss(pad_id: int, clip_low: float, clip_high: float) -> Callable:
         # Rollouts of dropped groups carry no gradient: only the kept ones are scored.
         logits = rollout_logits(model, batch.rollouts, pad_id, rows.tolist()).float() / batch.temperature
         r = logits.shape[1]
-        taken = batch.rollouts.token_batch(pad_id).response_ids[rows, :r]
+        taken = batch.rollouts.token_batch(pad_id).response_ids.to(logits.device)[rows, :r]
         loss, metrics = policy_loss(
             token_logprobs(logits, taken),
             g.old_logprobs[rows, :r],
@@ -374,7 +375,8 @@ def opd_batches(
         rollouts = sample_rollouts(
             student, tokenizer, take(index), config, seed=config.seed * 1_000_003 + index
         )
-        batch = rollouts.token_batch(pad_id)
+        teacher.to(student.device)  # in place; a no-op once it is there
+        batch = move_to(rollouts.token_batch(pad_id), student.device)
         with torch.no_grad():
             teacher_logits = response_logits(
                 teacher, batch.prompt_ids, batch.response_ids, 1, None, batch.prompt_mask, batch.response_mask
