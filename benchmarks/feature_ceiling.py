@@ -1,0 +1,87 @@
+"""How much the prompt says beyond the retriever's order: R@1 of a feature ranker against the pre-rank.
+
+    .venv/bin/python benchmarks/feature_ceiling.py [--c 0.1 1 10]
+
+Fits a logistic ranker on the training requests. Each candidate's input is the rule-based teacher's
+features (`core/text/traces.py`: category overlap, brand, recency, popularity, position) plus a one-hot
+of its retriever position. The ranker then puts each request's highest-scoring candidate first, on
+every split. Where this ranker barely beats the pre-rank, the prompts carry little signal beyond the
+retriever, and a re-ranker trained from scratch on them cannot be expected to beat it either: only a
+model with knowledge of its own (a pretrained checkpoint) can. Reads the outputs of `make run` (data/).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import yaml
+from sklearn.linear_model import LogisticRegression
+
+from diffusion_gr2.core.text.prompt import ItemLookup, PromptConfig
+from diffusion_gr2.core.text.traces import (
+    AnalystConfig,
+    RuleBasedAnalyst,
+    examples_from_frame,
+    popularity_from_histories,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def split_features(
+    analyst: RuleBasedAnalyst, candidates: pd.DataFrame, split: str
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, float]:
+    """Candidate rows (features + one-hot position), is-target labels, request index, pre-rank R@1."""
+    examples = [
+        e for e in examples_from_frame(candidates[candidates["split"] == split]) if e.target in e.candidates
+    ]
+    rows, labels, groups = [], [], []
+    for i, example in enumerate(examples):
+        features, _ = analyst.scores(example)
+        n = len(example.candidates)
+        rows.append(np.hstack([features, np.eye(n)]))
+        labels += [c == example.target for c in example.candidates]
+        groups += [i] * n
+    prerank = float(np.mean([e.candidates[0] == e.target for e in examples]))
+    return np.vstack(rows), np.array(labels), np.array(groups), prerank
+
+
+def recall_at_1(scores: np.ndarray, labels: np.ndarray, groups: np.ndarray) -> float:
+    """Share of requests whose highest-scoring candidate is the target."""
+    return float(np.mean([labels[groups == g][np.argmax(scores[groups == g])] for g in np.unique(groups)]))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--c", type=float, nargs="+", default=[0.1, 1.0, 10.0], help="inverse L2 strengths")
+    parser.add_argument("--data", type=Path, default=ROOT / "data")
+    parser.add_argument("--params", type=Path, default=ROOT / "conf/base/parameters_traces.yml")
+    args = parser.parse_args()
+
+    params = yaml.safe_load(args.params.read_text())["traces"]
+    prompt = PromptConfig(**params["prompt"])
+    items = pd.read_parquet(args.data / "03_primary/items.parquet")
+    sids = pd.read_parquet(args.data / "04_feature/sids.parquet")
+    candidates = pd.read_parquet(args.data / "05_model_input/candidates.parquet")
+    splits = pd.read_parquet(args.data / "05_model_input/splits.parquet")
+    analyst = RuleBasedAnalyst(
+        ItemLookup.from_frames(items, sids, prompt),
+        popularity_from_histories(splits["train_items"]),  # training histories only: no leakage
+        AnalystConfig(**params["analyst"]),
+        prompt,
+    )
+    data = {split: split_features(analyst, candidates, split) for split in ("train", "valid", "test")}
+    x_train, y_train, _, _ = data["train"]
+    print(f"{'C':>6s} {'split':6s} {'ranker R@1':>10s} {'pre-rank R@1':>12s} {'requests':>8s}")
+    for c in args.c:
+        ranker = LogisticRegression(C=c, max_iter=2000).fit(x_train, y_train)
+        for split, (x, y, groups, prerank) in data.items():
+            r1 = recall_at_1(ranker.decision_function(x), y, groups)
+            print(f"{c:6g} {split:6s} {r1:10.3f} {prerank:12.3f} {len(np.unique(groups)):8d}")
+
+
+if __name__ == "__main__":
+    main()
