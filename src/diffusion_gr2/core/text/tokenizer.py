@@ -96,13 +96,14 @@ def extend_tokenizer(
     """A copy of `tokenizer` with SID tokens, chat specials, `[MASK]`, a pad token and the chat template.
 
     SID tokens are plain (non-special) added tokens, so `skip_special_tokens=True` keeps them. The eos
-    token becomes `<|im_end|>`, which ends every response; an existing pad token is kept.
+    token becomes `<|im_end|>`, which ends every response; an existing pad token is kept unless it is
+    that end token (padding must never read as the end of an output).
     """
     tok = copy.deepcopy(tokenizer)
     specials = [AddedToken(t, special=True, normalized=False) for t in (IM_START, IM_END, END_OF_TEXT)]
     tok.add_special_tokens({"extra_special_tokens": specials}, replace_extra_special_tokens=False)
     tok.add_special_tokens({"eos_token": IM_END, "mask_token": MASK})
-    if tok.pad_token is None:
+    if tok.pad_token is None or tok.pad_token == IM_END:  # SmolLM2 pads with its eos; we must not
         tok.add_special_tokens({"pad_token": PAD})
     tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in sid_tokens])
     tok.chat_template = CHAT_TEMPLATE

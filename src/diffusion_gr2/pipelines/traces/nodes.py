@@ -8,9 +8,10 @@ from typing import Any
 import pandas as pd
 from transformers import PreTrainedTokenizerFast
 
+from diffusion_gr2.core.model.factory import ModelSpec, load_pretrained_tokenizer
 from diffusion_gr2.core.text.examples import encode_requests, encode_sft, length_report
 from diffusion_gr2.core.text.prompt import ItemLookup, PromptConfig
-from diffusion_gr2.core.text.tokenizer import build_tokenizer, sid_tokens_from_sids
+from diffusion_gr2.core.text.tokenizer import build_tokenizer, extend_tokenizer, sid_tokens_from_sids
 from diffusion_gr2.core.text.traces import (
     AnalystConfig,
     RuleBasedAnalyst,
@@ -49,11 +50,19 @@ def generate_traces(
 
 
 def train_tokenizer(
-    traces: pd.DataFrame, sids: pd.DataFrame, params: dict[str, Any]
+    traces: pd.DataFrame, sids: pd.DataFrame, params: dict[str, Any], model_params: dict[str, Any]
 ) -> PreTrainedTokenizerFast:
-    """Byte-level BPE on the project's own text, plus SID tokens, [MASK] and chat specials."""
+    """The tokenizer of every later stage, with SID tokens, [MASK] and chat specials.
+
+    A model built from a config gets a byte-level BPE trained on the project's own text; a pretrained
+    one (`teacher_sft.model.kind` pretrained or gguf) keeps its own tokenizer, extended.
+    """
+    sid_tokens = sid_tokens_from_sids(sids["sid"])
+    spec = ModelSpec(**model_params)
+    if spec.kind != "config":
+        return extend_tokenizer(load_pretrained_tokenizer(spec), sid_tokens)
     corpus = corpus_texts(sft_rows_from_frame(traces))
-    return build_tokenizer(corpus, sid_tokens_from_sids(sids["sid"]), vocab_size=params["vocab_size"])
+    return build_tokenizer(corpus, sid_tokens, vocab_size=params["vocab_size"])
 
 
 def encode_datasets(

@@ -16,7 +16,7 @@ def create_pipeline(**kwargs) -> Pipeline:
             ),
             Node(
                 train_tokenizer,
-                inputs=["traces", "sids", "params:traces"],
+                inputs=["traces", "sids", "params:traces", "params:teacher_sft.model"],
                 outputs="tokenizer",
                 name="train_tokenizer",
             ),
