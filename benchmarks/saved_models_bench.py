@@ -42,8 +42,7 @@ def main() -> None:
     args = parser.parse_args()
 
     params = yaml.safe_load(args.params.read_text())["benchmark"]
-    timing = {k: tuple(v) if isinstance(v, list) else v for k, v in params["timing"].items()}
-    config = BenchmarkConfig(**timing)
+    config = BenchmarkConfig.from_params(params["timing"])
     if args.rounds is not None:
         config = dataclasses.replace(config, rounds=args.rounds)
     decoding = RerankConfig(**params["decoding"])

@@ -86,6 +86,11 @@ class BenchmarkConfig:
     length_buckets: tuple[int, ...] = (32, 64, 128, 256)  # upper edges of the output-length buckets
     reference: str = "ar_rl"  # speed-ups are relative to this (AR) system
 
+    @classmethod
+    def from_params(cls, timing: Mapping[str, Any]) -> BenchmarkConfig:
+        """From the `benchmark.timing` parameters (YAML lists become tuples)."""
+        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in timing.items()})
+
 
 @dataclass(frozen=True)
 class Call:

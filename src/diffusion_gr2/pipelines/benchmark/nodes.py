@@ -20,12 +20,6 @@ def _cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-def benchmark_config(params: dict[str, Any]) -> BenchmarkConfig:
-    """`BenchmarkConfig` from the `benchmark.timing` parameters (YAML lists become tuples)."""
-    timing = {k: tuple(v) if isinstance(v, list) else v for k, v in params["timing"].items()}
-    return BenchmarkConfig(**timing)
-
-
 def benchmark_decoding(
     requests: pd.DataFrame,
     tokenizer: PreTrainedTokenizerFast,
@@ -34,7 +28,7 @@ def benchmark_decoding(
 ) -> dict[str, Any]:
     """Time every system on the first `n_prompts` test requests, at each tau and batch size."""
     torch.set_num_threads(params["num_threads"] or _cores())  # the benchmark owns the process
-    decoding, config = RerankConfig(**params["decoding"]), benchmark_config(params)
+    decoding, config = RerankConfig(**params["decoding"]), BenchmarkConfig.from_params(params["timing"])
     result = benchmark_requests(models, requests, tokenizer, decoding, config, params["split"])
     measured = (
         "output_tokens_per_s",
