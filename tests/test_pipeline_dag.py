@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import mlflow
 import pandas as pd
 import pytest
 
+from diffusion_gr2.core.rank.benchmark import BENCHMARK_KEYS
 from diffusion_gr2.core.rank.metrics import stage_metrics_rows
-from tests.conftest import run_kedro
+from tests.conftest import PROJECT_ROOT, run_kedro
 
 SYSTEMS = ("prerank", "ar_sft", "ar_rl", "naive", "cft", "opd", "rl")
 
@@ -84,3 +87,68 @@ def test_training_resumes_from_its_checkpoint(dag_run: Path) -> None:
     run_kedro(dag_run, ["cft"])
     summary = report(dag_run, "training/cft.json")
     assert summary["resumed_from_step"] == summary["steps"] > 0
+
+
+def run_script(project: Path, script: str, *args: str) -> str:
+    """Run one of `benchmarks/` on the smoke project's outputs, as a user would; its stdout."""
+    done = subprocess.run(
+        [sys.executable, str(PROJECT_ROOT / "benchmarks" / script), *args],
+        cwd=project,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout
+
+
+def test_saved_model_benchmark_script_times_the_trained_models(dag_run: Path, tmp_path: Path) -> None:
+    data, conf = dag_run / "data", dag_run / "conf/smoke"
+    run_script(
+        dag_run,
+        "saved_models_bench.py",
+        *("--models", str(data / "06_models"), "--requests", str(data / "05_model_input/requests.parquet")),
+        *("--params", str(conf / "parameters_benchmark.yml"), "--systems", "ar_rl", "cft"),
+        *("--rounds", "1", "--threads", "1", "--out", str(tmp_path)),
+    )
+    rows = json.loads((tmp_path / "benchmark.json").read_text())
+    assert {(r["system"], r["batch_size"]) for r in rows} == {
+        (s, b) for s in ("ar_rl", "cft") for b in (1, 16)
+    }
+    assert all(list(r) == list(BENCHMARK_KEYS) and r["output_tokens_per_s"] > 0 for r in rows)
+
+
+def test_cft_scaling_script_trains_and_reports_each_step_count(dag_run: Path, tmp_path: Path) -> None:
+    data = dag_run / "data"
+    run_script(
+        dag_run,
+        "cft_scaling.py",
+        *("--steps", "1", "2", "--taus", "0.9", "--max-users", "2", "--models", str(data / "06_models")),
+        *(
+            "--data",
+            str(data / "05_model_input"),
+            "--params",
+            str(dag_run / "conf/smoke/parameters_training.yml"),
+        ),
+        *("--save", str(tmp_path / "models"), "--out", str(tmp_path / "scaling.json")),
+    )
+    rows = json.loads((tmp_path / "scaling.json").read_text())
+    assert [(r["cft_steps"], r["tau"], r["n"]) for r in rows] == [(1, 0.9, 2), (2, 0.9, 2)]
+    assert all(0.0 <= r["unforced_rate"] <= 1.0 and r["tokens_per_forward"] >= 1.0 for r in rows)
+    assert (tmp_path / "models/cft2/config.json").is_file()
+
+
+def test_feature_ceiling_script_reports_every_split(dag_run: Path) -> None:
+    out = run_script(
+        dag_run,
+        "feature_ceiling.py",
+        *(
+            "--c",
+            "1",
+            "--data",
+            str(dag_run / "data"),
+            "--params",
+            str(dag_run / "conf/smoke/parameters_traces.yml"),
+        ),
+    )
+    assert {line.split()[1] for line in out.splitlines()[1:]} == {"train", "valid", "test"}
