@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+from collections.abc import Iterator
 from pathlib import Path
 
 import pandas as pd
@@ -42,7 +43,7 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 
 @pytest.fixture(scope="module")
-def smollm2() -> tuple[PreTrainedTokenizerBase, PreTrainedModel]:
+def smollm2() -> Iterator[tuple[PreTrainedTokenizerBase, PreTrainedModel]]:
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     tokenizer = extend_tokenizer(load_pretrained_tokenizer(SPEC), SIDS)
