@@ -1,7 +1,8 @@
 """Readers for the Amazon Reviews dumps: 2014 (McAuley), 2018 (Ni et al.) and 2023 (Hou et al.).
 
 All three are one record per line, plain or gzip. They differ in field names, in the metadata layout
-and in the timestamp unit (2023 uses milliseconds). Metadata is read first so that an interaction with
+and in the timestamp unit (2023 uses milliseconds; `parse_timestamp` reads the unit off each value, so
+a 2023 file re-exported in seconds is not turned into 1970 dates). Metadata is read first so that an interaction with
 an item absent from the metadata can be rejected as ``unknown_item`` while its raw line is at hand.
 """
 
@@ -26,6 +27,7 @@ from diffusion_gr2.core.data.raw import (
     item_row,
     iter_lines,
     parse_id,
+    parse_lines,
     parse_rating,
     parse_record,
     parse_timestamp,
@@ -41,13 +43,12 @@ class ReviewFields:
     item: str
     rating: str
     time: str
-    time_scale: int  # raw time units per second (1000 for the 2023 release's milliseconds)
 
 
 REVIEW_FIELDS = {
-    "amazon2014": ReviewFields("reviewerID", "asin", "overall", "unixReviewTime", 1),
-    "amazon2018": ReviewFields("reviewerID", "asin", "overall", "unixReviewTime", 1),
-    "amazon2023": ReviewFields("user_id", "parent_asin", "rating", "timestamp", 1000),
+    "amazon2014": ReviewFields("reviewerID", "asin", "overall", "unixReviewTime"),
+    "amazon2018": ReviewFields("reviewerID", "asin", "overall", "unixReviewTime"),
+    "amazon2023": ReviewFields("user_id", "parent_asin", "rating", "timestamp"),
 }
 
 
@@ -75,7 +76,7 @@ def parse_meta(record: dict[str, Any], fields: MetaFields) -> ItemRow:
     item = parse_id(require(record, fields.item), fields.item)
     categories: list[str] = []
     for key in fields.categories:
-        categories = categories or flatten_categories(record.get(key))
+        categories = categories or flatten_categories(record.get(key), key)
     return item_row(
         item,
         record.get("title"),
@@ -103,7 +104,7 @@ def parse_review(record: dict[str, Any], fields: ReviewFields, config: ReadConfi
     """One interaction from a review record, or `RejectRow` with the first problem found."""
     user = parse_id(require(record, fields.user), fields.user)
     item = parse_id(require(record, fields.item), fields.item)
-    timestamp = parse_timestamp(require(record, fields.time), fields.time_scale)
+    timestamp = parse_timestamp(require(record, fields.time))
     rating = parse_rating(require(record, fields.rating), config)
     return user, item, timestamp, rating
 
@@ -112,17 +113,14 @@ def read_review_file(
     path: Path, fields: ReviewFields, config: ReadConfig, rejects: Rejects, known_items: set[str] | None
 ) -> list[InteractionRow]:
     """Interactions of one review file; ``known_items`` (when metadata exists) rejects unknown items."""
-    rows: list[InteractionRow] = []
-    for number, text in iter_lines(path, rejects):
-        try:
-            row = parse_review(parse_record(text, allow_python_literal=False), fields, config)
-            if known_items is not None and row[1] not in known_items:
-                raise RejectRow("unknown_item")
-        except RejectRow as reject:
-            rejects.add(path, number, reject.reason, text)
-            continue
-        rows.append(row)
-    return rows
+
+    def parse(text: str) -> InteractionRow:
+        row = parse_review(parse_record(text, allow_python_literal=False), fields, config)
+        if known_items is not None and row[1] not in known_items:
+            raise RejectRow("unknown_item")
+        return row
+
+    return parse_lines(path, iter_lines(path, rejects), parse, rejects)
 
 
 def read_amazon(

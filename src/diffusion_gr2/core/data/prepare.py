@@ -61,12 +61,33 @@ class PreparedData:
     stats: dict[str, Any]
 
 
-def rating_filter(frame: pd.DataFrame, min_rating: float | None) -> pd.DataFrame:
-    """Keep interactions rated >= ``min_rating`` (all of them when None; unrated rows fail a set bound)."""
+def rating_filter(frame: pd.DataFrame, min_rating: float | None, source: str) -> pd.DataFrame:
+    """Keep interactions rated >= ``min_rating`` (all of them when None; unrated rows fail a set bound).
+
+    A filter that cannot work (no ratings at all) or keeps nothing stops here, naming the filter, so
+    the error does not surface later as an empty k-core.
+    """
     if min_rating is None:
         return frame
+    rated = frame["rating"].notna()
+    if not rated.any():
+        raise ValueError(
+            f"{source}: data_prep.min_rating={min_rating} is set but none of the {len(frame)} interactions "
+            "has a rating; set data_prep.min_rating: null for data without ratings"
+        )
     kept = frame[frame["rating"] >= min_rating]
-    logger.info("rating filter (>= %s) dropped %d rows", min_rating, len(frame) - len(kept))
+    if kept.empty:
+        low, high = frame["rating"].min(), frame["rating"].max()
+        raise ValueError(
+            f"{source}: data_prep.min_rating={min_rating} keeps none of the {len(frame)} interactions "
+            f"(ratings range {low}..{high})"
+        )
+    logger.info(
+        "rating filter (>= %s) dropped %d rows (%d of them unrated)",
+        min_rating,
+        len(frame) - len(kept),
+        int((~rated).sum()),
+    )
     return kept
 
 
@@ -201,7 +222,13 @@ def prepare(raw: RawDataset, config: PrepConfig | None = None) -> PreparedData:
     split, schema validation; see the module docstring for the order."""
     config = config or PrepConfig()
     check_reject_share(raw, config.max_reject_share)
-    frame = chronological_dedup(rating_filter(raw.interactions, config.min_rating), config.dedup)
+    if raw.interactions.empty:
+        raise ValueError(
+            f"{raw.source}: no valid interaction rows were read ({raw.rows_read} read, {len(raw.rejects)} "
+            f"rejected: {raw.rejected_by_reason()})"
+        )
+    filtered = rating_filter(raw.interactions, config.min_rating, raw.source)
+    frame = chronological_dedup(filtered, config.dedup)
     frame = apply_k_core(frame, config.k_core)
     if frame.empty:
         raise ValueError(f"{raw.source}: no interactions left after {config.k_core}-core filtering")

@@ -104,6 +104,14 @@ def detect_format(folder: Path | str) -> DetectedFiles:
         raise _folder_error(folder, f"mixes several formats {formats}; keep one format per folder")
     fmt = formats[0]
     meta_key = _AMAZON_JSON_META if fmt in ("amazon2014", "amazon2018") else fmt
+    # Metadata of another release would be skipped, leaving every title empty: refuse it instead.
+    stray = sorted(
+        p.name for (kind, role), paths in groups.items() if role == "meta" and kind != meta_key for p in paths
+    )
+    if stray:
+        raise _folder_error(
+            folder, f"holds {fmt} interaction files but metadata file(s) {stray} of another format"
+        )
     return DetectedFiles(fmt, groups[(fmt, "inter")], groups.get((meta_key, "meta"), []))
 
 

@@ -25,6 +25,7 @@ from diffusion_gr2.core.data.raw import (
     item_row,
     iter_lines,
     parse_id,
+    parse_lines,
     parse_rating,
     parse_timestamp,
 )
@@ -56,6 +57,9 @@ def parse_header(path: Path, text: str, required: tuple[str, ...]) -> list[tuple
     """``[(name, type), ...]`` from a typed header line; a missing required column stops the run."""
     columns = [tuple(part.split(":", 1)) if ":" in part else (part, "token") for part in text.split("\t")]
     names = [name.strip() for name, _ in columns]
+    repeated = sorted({name for name in names if names.count(name) > 1})
+    if repeated:
+        raise DataQualityError(f"{path}: line 1 header {text!r} names column(s) {repeated} more than once")
     missing = [name for name in required if name not in names]
     if missing:
         raise DataQualityError(
@@ -96,23 +100,20 @@ def read_inter_file(
     path: Path, config: ReadConfig, rejects: Rejects, known_items: set[str] | None
 ) -> list[InteractionRow]:
     """Interactions of one ``.inter`` file; ``known_items`` (when an item file exists) rejects unknown items."""
-    rows: list[InteractionRow] = []
     lines = iter_lines(path, rejects, has_header=True)
     header = next(lines, None)
     if header is None:
-        return rows
+        return []
     columns = parse_header(path, header[1], ("user_id", "item_id", "timestamp"))
     index = {name: position for position, (name, _) in enumerate(columns)}
-    for number, text in lines:
-        try:
-            row = parse_inter_line(split_fields(text, len(columns)), index, config)
-            if known_items is not None and row[1] not in known_items:
-                raise RejectRow("unknown_item")
-        except RejectRow as reject:
-            rejects.add(path, number, reject.reason, text)
-            continue
-        rows.append(row)
-    return rows
+
+    def parse(text: str) -> InteractionRow:
+        row = parse_inter_line(split_fields(text, len(columns)), index, config)
+        if known_items is not None and row[1] not in known_items:
+            raise RejectRow("unknown_item")
+        return row
+
+    return parse_lines(path, lines, parse, rejects)
 
 
 def item_roles(columns: list[tuple[str, str]]) -> dict[str, str]:
