@@ -151,6 +151,6 @@ def test_config_from_params_and_rating_filter(make_raw: MakeRaw) -> None:
     config = PrepConfig.from_params(params)
     assert (config.k_core, config.seed, config.min_rating, config.dedup) == (1, 3, 4.5, True)
     raw = make_raw([("u", "a", 1), ("u", "b", 2), ("u", "c", 3)])  # make_raw rates every row 4.0
-    with pytest.raises(ValueError, match="no interactions left"):
+    with pytest.raises(ValueError, match=r"min_rating=4\.5 keeps none of the 3 interactions"):
         prepare(raw, config)
     assert prepare(raw, PrepConfig.from_params({**params, "min_rating": 4.0})).stats["interactions"] == 3

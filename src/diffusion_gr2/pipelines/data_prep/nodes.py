@@ -6,7 +6,7 @@ from typing import Any
 
 import pandas as pd
 
-from diffusion_gr2.core.data import expectations, schemas
+from diffusion_gr2.core.data import expectations
 from diffusion_gr2.core.data.prepare import PrepConfig, prepare
 from diffusion_gr2.core.data.raw import ReadConfig
 from diffusion_gr2.core.data.readers import read_dataset
@@ -14,16 +14,16 @@ from diffusion_gr2.core.tracking.mlflow_utils import as_metrics_history
 
 
 def prepare_dataset(params: dict[str, Any]) -> dict[str, Any]:
-    """Read the configured dataset, set bad rows aside, k-core, remap and split it."""
+    """Read the configured dataset, set bad rows aside, k-core, remap and split it.
+
+    `prepare` validates every output against its schema (repeated pairs allowed when ``dedup`` is off).
+    """
     raw = read_dataset(
         params["dataset"],
         params["raw_root"],
         ReadConfig(max_reject_share=params["max_reject_share"]),
     )
     prepared = prepare(raw, PrepConfig.from_params(params))
-    schemas.validate(prepared.interactions, schemas.INTERACTIONS, "interactions")
-    schemas.validate(prepared.items, schemas.ITEMS, "items")
-    schemas.validate(prepared.splits, schemas.SPLITS, "splits")
     return {
         "interactions": prepared.interactions,
         "items": prepared.items,
@@ -34,8 +34,12 @@ def prepare_dataset(params: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def validate_splits(splits: pd.DataFrame, items: pd.DataFrame) -> dict[str, Any]:
-    """Great Expectations suite on the split output; a failing suite stops the run."""
-    report = expectations.check_splits(splits, num_items=len(items))
+def validate_splits(splits: pd.DataFrame, items: pd.DataFrame, params: dict[str, Any]) -> dict[str, Any]:
+    """Great Expectations suite on the split output; a failing suite stops the run.
+
+    Without dedup a user may legitimately consume an item again, so the no-repeat rules are lifted.
+    """
+    allow_repeats = not PrepConfig.from_params(params).dedup
+    report = expectations.check_splits(splits, num_items=len(items), allow_repeats=allow_repeats)
     report.raise_for_failure()
     return report.as_dict()

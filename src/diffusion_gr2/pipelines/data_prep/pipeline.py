@@ -23,7 +23,7 @@ def create_pipeline(**kwargs) -> Pipeline:
             ),
             Node(
                 validate_splits,
-                inputs=["splits", "items"],
+                inputs=["splits", "items", "params:data_prep"],
                 outputs="splits_validation",
                 name="validate_splits",
             ),
