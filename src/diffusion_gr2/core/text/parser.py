@@ -1,7 +1,7 @@
 """Output parser: model text -> ranking of candidate SIDs plus a validity flag (DESIGN §4).
 
-A ranking is valid only when the text is one JSON object whose `recommendations` is a permutation of the
-N candidate SIDs. Nothing is repaired (no dropping duplicates, no appending missing IDs as rank_llm does):
+A ranking is valid only when the text is one strict JSON object (no repeated key, no NaN/Infinity)
+whose `recommendations` is a permutation of the N candidate SIDs. Nothing is repaired (no dropping duplicates, no appending missing IDs as rank_llm does):
 closing that structural gap is the model's job (CFT); an invalid answer falls back to the pre-rank.
 """
 
@@ -18,6 +18,7 @@ OK = "ok"
 NOT_TEXT = "not_text"
 EMPTY = "empty"
 INVALID_JSON = "invalid_json"
+DUPLICATE_KEY = "duplicate_key"
 TRAILING_TEXT = "trailing_text"
 NOT_OBJECT = "not_object"
 MISSING_RECOMMENDATIONS = "missing_recommendations"
@@ -26,6 +27,27 @@ NON_STRING_ID = "non_string_id"
 FOREIGN_ID = "foreign_id"
 DUPLICATE_ID = "duplicate_id"
 WRONG_LENGTH = "wrong_length"
+# The request, not the answer, is broken: two candidates share a SID, so no answer can name each once.
+AMBIGUOUS_CANDIDATES = "ambiguous_candidates"
+
+
+class _DuplicateKey(ValueError):
+    """A JSON object names one key twice: which value the model meant is undefined."""
+
+
+def _unique_keys(pairs: list[tuple[str, object]]) -> dict[str, object]:
+    record = dict(pairs)
+    if len(record) != len(pairs):
+        raise _DuplicateKey
+    return record
+
+
+def _no_constant(name: str) -> object:
+    """NaN, Infinity and -Infinity are Python extensions, not JSON."""
+    raise ValueError(f"{name} is not JSON")
+
+
+_DECODER = json.JSONDecoder(object_pairs_hook=_unique_keys, parse_constant=_no_constant)
 
 
 @dataclass(frozen=True)
@@ -54,8 +76,10 @@ def _strip_end_tokens(text: str) -> str:
 def _load_object(text: str) -> tuple[object, str]:
     """Decode exactly one JSON value from `text`; returns (value, OK) or (None, reason)."""
     try:
-        value, end = json.JSONDecoder().raw_decode(text)
-    except (ValueError, RecursionError):  # JSONDecodeError, huge integers, deeply nested arrays
+        value, end = _DECODER.raw_decode(text)
+    except _DuplicateKey:
+        return None, DUPLICATE_KEY
+    except (ValueError, RecursionError):  # JSONDecodeError, NaN, huge integers, deeply nested arrays
         return None, INVALID_JSON
     if text[end:].strip():
         return None, TRAILING_TEXT
@@ -73,7 +97,7 @@ def _check_ranking(recs: object, candidate_sids: Sequence[str]) -> str:
         return FOREIGN_ID
     if len(set(recs)) != len(recs):
         return DUPLICATE_ID
-    if len(recs) != len(allowed):
+    if len(recs) != len(candidate_sids):
         return WRONG_LENGTH
     return OK
 
@@ -81,9 +105,14 @@ def _check_ranking(recs: object, candidate_sids: Sequence[str]) -> str:
 def parse_answer(text: object, candidate_sids: Sequence[str]) -> ParsedAnswer:
     """Parse a model answer; never raises, whatever `text` is.
 
+    Candidate SIDs that repeat make every answer invalid (`AMBIGUOUS_CANDIDATES`): a ranking could
+    then leave a candidate out and still look complete. The requests schema refuses such lists first.
+
     Leading/trailing whitespace and trailing end tokens (`<|im_end|>`, ...) are tolerated; anything
     else around the JSON object makes the answer invalid.
     """
+    if len(set(candidate_sids)) != len(candidate_sids):
+        return ParsedAnswer(None, False, AMBIGUOUS_CANDIDATES, None)
     if not isinstance(text, str):
         return ParsedAnswer(None, False, NOT_TEXT, None)
     body = _strip_end_tokens(text)
