@@ -151,9 +151,16 @@ class GrammarTokens:
         return self._literal_masks[key]
 
     def sid_ids_of(self, sid: str) -> tuple[int, ...]:
-        """Token ids of one SID string (`<a_1><b_2>...`); a clear error for a token the vocab lacks."""
+        """Token ids of one SID string (`<a_1><b_2>...`); a clear error for anything else.
+
+        The SID must be exactly its SID tokens: text around or between them (or no token at all)
+        would be dropped here, and an empty SID would make the automaton index past its end.
+        """
+        parts = split_sid(sid) if isinstance(sid, str) else []
+        if not parts or "".join(parts) != sid:
+            raise ValueError(f"SID {sid!r} is not a run of SID tokens such as '<a_1><b_2><c_3><d_4>'")
         try:
-            return tuple(self.vocab[t] for t in split_sid(sid))
+            return tuple(self.vocab[t] for t in parts)
         except KeyError as err:
             raise ValueError(f"SID {sid!r}: token {err.args[0]} is not in the tokenizer") from None
 
@@ -165,9 +172,10 @@ class AnswerGrammar:
         if not candidate_sids:
             raise ValueError("a ranking grammar needs at least one candidate SID")
         self.tokens = tokens
-        self.remaining = [tokens.sid_ids_of(s) for s in candidate_sids]
-        if len(set(self.remaining)) != len(self.remaining):
-            raise ValueError(f"duplicate candidate SIDs: {list(candidate_sids)}")
+        self.remaining = [tokens.sid_ids_of(s) for s in candidate_sids]  # checks each SID's form
+        repeated = sorted({s for s in candidate_sids if list(candidate_sids).count(s) > 1})
+        if repeated:
+            raise ValueError(f"duplicate candidate SIDs {repeated} in {list(candidate_sids)}")
         lengths = {len(s) for s in self.remaining}
         if len(lengths) != 1:  # equal lengths make the SID set prefix-free: a full match ends a SID
             raise ValueError(f"candidate SIDs differ in token length: {list(candidate_sids)}")
