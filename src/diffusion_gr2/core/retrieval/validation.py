@@ -2,7 +2,13 @@
 
 GX has no reliable expectations on list cells under pandas 2.3 object columns, so the suite runs on a
 scalar view of the frame (`candidate_check_frame`): one row per list with its length, duplicate count,
-foreign-ID count and whether the target sits where `target_position` says.
+foreign-ID count, whether the target sits where `target_position` says, and the leakage facts of
+`history_facts` (history length, target or other candidates inside the history, repeated rows), which
+the pandera schema checks too.
+
+Leakage rules: a candidate other than the target is never in the history (the retriever masks it,
+sampled negatives avoid it). The target is not in the history either, unless the data was prepared
+without dedup (``allow_repeats``), where consuming an item again is a legitimate target.
 """
 
 from __future__ import annotations
@@ -57,28 +63,88 @@ def _position_ok(candidates: Any, target: int, position: int) -> bool:
     return 0 < position <= len(ids) and ids[position - 1] == int(target)
 
 
-def candidates_schema(n: int, num_items: int, require_target: bool = True) -> pa.DataFrameSchema:
-    """Pandera schema of the candidates frame for lists of length n over a catalog of num_items."""
+def _row_key(user: int, split: str, target: int, history: list[int]) -> str:
+    """What makes a row unique: one valid/test row per user; train rows are distinct prefixes."""
+    if split == "train":
+        return f"train/{user}/{target}/{','.join(map(str, history))}"
+    return f"{split}/{user}"
+
+
+def history_facts(frame: pd.DataFrame) -> pd.DataFrame:
+    """Per row: ``n_history``, ``target_in_history``, ``n_candidates_in_history`` (the target aside)
+    and ``repeated_row`` (a second row for the same user and split, or the same train prefix)."""
+    histories = [set(_ids(h) or []) for h in frame["history"]]
+    lists = [_ids(c) or [] for c in frame["candidates"]]
+    targets = [int(t) for t in frame["target"]]
+    keys = [
+        _row_key(int(u), str(s), t, _ids(h) or [])
+        for u, s, t, h in zip(frame["user_id"], frame["split"], targets, frame["history"], strict=True)
+    ]
+    return pd.DataFrame(
+        {
+            "n_history": [len(_ids(h) or []) for h in frame["history"]],
+            "target_in_history": [t in h for t, h in zip(targets, histories, strict=True)],
+            "n_candidates_in_history": [
+                sum(c in h and c != t for c in cands)
+                for cands, h, t in zip(lists, histories, targets, strict=True)
+            ],
+            "repeated_row": pd.Series(keys).duplicated(keep="first").to_numpy(),
+        },
+        index=frame.index,
+    )
+
+
+def _leakage_checks(allow_repeats: bool) -> list[pa.Check]:
+    """Frame-level pandera checks built on `history_facts` (one boolean per row)."""
+
+    def fact(test: Any, name: str) -> pa.Check:
+        return pa.Check(lambda df: test(history_facts(df)), name=name)
+
+    checks = [
+        fact(lambda f: f["n_candidates_in_history"] == 0, "no_candidate_in_history"),
+        fact(lambda f: ~f["repeated_row"], "one_row_per_user_and_split"),
+    ]
+    if not allow_repeats:
+        checks.append(fact(lambda f: ~f["target_in_history"], "target_not_in_history"))
+    return checks
+
+
+def candidates_schema(
+    n: int, num_items: int, require_target: bool = True, allow_repeats: bool = False
+) -> pa.DataFrameSchema:
+    """Pandera schema of the candidates frame for lists of length n over a catalog of num_items.
+
+    ``allow_repeats`` (data prepared without dedup) lets the target appear in the history.
+    """
     return pa.DataFrameSchema(
         {
             "user_id": pa.Column("int64", pa.Check.ge(0)),
             "split": pa.Column(str, pa.Check.isin(SPLITS)),
-            "history": pa.Column(object, _id_list_check(num_items, None, False, "history_ids_in_catalog")),
+            "history": pa.Column(
+                object,
+                [
+                    _id_list_check(num_items, None, False, "history_ids_in_catalog"),
+                    pa.Check(lambda h: len(_ids(h) or []) > 0, element_wise=True, name="history_not_empty"),
+                ],
+            ),
             "target": pa.Column("int64", pa.Check.in_range(0, num_items - 1)),
             "candidates": pa.Column(object, _id_list_check(num_items, n, True, f"{n}_unique_ids_in_catalog")),
             "target_position": pa.Column("int64", pa.Check.in_range(1 if require_target else 0, n)),
         },
-        checks=[pa.Check(_position_matches, name="target_position_matches_list")],
+        checks=[
+            pa.Check(_position_matches, name="target_position_matches_list"),
+            *_leakage_checks(allow_repeats),
+        ],
         strict=True,
         name="candidates",
     )
 
 
 def validate_candidates(
-    frame: pd.DataFrame, n: int, num_items: int, require_target: bool = True
+    frame: pd.DataFrame, n: int, num_items: int, require_target: bool = True, allow_repeats: bool = False
 ) -> pd.DataFrame:
     """Validate with `candidates_schema`; raises `SchemaValidationError` naming columns, checks and rows."""
-    return validate(frame, candidates_schema(n, num_items, require_target), "candidates")
+    return validate(frame, candidates_schema(n, num_items, require_target, allow_repeats), "candidates")
 
 
 def candidate_check_frame(frame: pd.DataFrame, num_items: int) -> pd.DataFrame:
@@ -98,15 +164,19 @@ def candidate_check_frame(frame: pd.DataFrame, num_items: int) -> pd.DataFrame:
             "n_history_foreign": [sum(not 0 <= v < num_items for v in h) for h in histories],
             "target_in_list": [int(t) in c for t, c in zip(targets, lists, strict=True)],
             "position_matches": _position_matches(frame).to_numpy(),
+            **{k: v.to_numpy() for k, v in history_facts(frame).items()},
         }
     )
     labels = [f"{i}:{s}/{u}" for i, (s, u) in enumerate(zip(check["split"], check["user_id"], strict=True))]
     return check.set_index(pd.Index(labels, name="row"))
 
 
-def candidate_suite(n: int, num_items: int, require_target: bool = True) -> list[Any]:
+def candidate_suite(
+    n: int, num_items: int, require_target: bool = True, allow_repeats: bool = False
+) -> list[Any]:
     """GX expectations on `candidate_check_frame`: list length n, unique IDs, IDs in [0, num_items),
-    target present where required, target_position in 1..n (0..n when not required) and consistent."""
+    target present where required, target_position in 1..n (0..n when not required) and consistent,
+    a non-empty history with no candidate leaked into it, one row per user and split."""
     import great_expectations.expectations as gxe
 
     zero = {"min_value": 0, "max_value": 0}
@@ -123,9 +193,14 @@ def candidate_suite(n: int, num_items: int, require_target: bool = True) -> list
             column="target_position", min_value=1 if require_target else 0, max_value=n
         ),
         gxe.ExpectColumnValuesToBeInSet(column="position_matches", value_set=[True]),
+        gxe.ExpectColumnValuesToBeBetween(column="n_history", min_value=1),
+        gxe.ExpectColumnValuesToBeBetween(column="n_candidates_in_history", **zero),
+        gxe.ExpectColumnValuesToBeInSet(column="repeated_row", value_set=[False]),
     ]
     if require_target:
         suite.append(gxe.ExpectColumnValuesToBeInSet(column="target_in_list", value_set=[True]))
+    if not allow_repeats:
+        suite.append(gxe.ExpectColumnValuesToBeInSet(column="target_in_history", value_set=[False]))
     return suite
 
 
@@ -136,11 +211,12 @@ def check_candidates(
     require_target: bool = True,
     report_dir: Path | str | None = None,
     suite_name: str = "candidates",
+    allow_repeats: bool = False,
 ) -> ExpectationReport:
     """Run `candidate_suite` through the shared GX runner; saves `<suite_name>.json` under report_dir."""
     return run_expectations(
         candidate_check_frame(frame, num_items),
         suite_name,
-        candidate_suite(n, num_items, require_target),
+        candidate_suite(n, num_items, require_target, allow_repeats),
         report_dir,
     )

@@ -43,12 +43,15 @@ def retrieve_candidates(
 
 
 def validate_candidate_lists(
-    candidates: pd.DataFrame, items: pd.DataFrame, params: dict[str, Any]
+    candidates: pd.DataFrame, items: pd.DataFrame, params: dict[str, Any], dedup: bool
 ) -> dict[str, Any]:
-    """pandera schema and the Great Expectations suite at the pipeline boundary; failures stop the run."""
+    """pandera schema and the Great Expectations suite at the pipeline boundary; failures stop the run.
+
+    Without dedup (``data_prep.dedup: false``) a target may legitimately repeat a history item.
+    """
     n, num_items = params["candidates"]["n"], len(items)
     require_target = True  # both modes keep the target: `retrieved` drops rows without it
-    validate_candidates(candidates, n, num_items, require_target)
-    report = check_candidates(candidates, n, num_items, require_target)
+    validate_candidates(candidates, n, num_items, require_target, allow_repeats=not dedup)
+    report = check_candidates(candidates, n, num_items, require_target, allow_repeats=not dedup)
     report.raise_for_failure()
     return report.as_dict()

@@ -16,7 +16,7 @@ def create_pipeline(**kwargs) -> Pipeline:
             ),
             Node(
                 validate_candidate_lists,
-                ["candidates", "items", "params:retrieval"],
+                ["candidates", "items", "params:retrieval", "params:data_prep.dedup"],
                 "candidates_validation",
                 name="validate_candidate_lists",
             ),
