@@ -16,6 +16,7 @@ import pandas as pd
 import pandera.pandas as pa
 
 from diffusion_gr2.core.data.raw import MAX_TIMESTAMP_S
+from diffusion_gr2.core.text.prompt import split_sid
 
 __all__ = [
     "INTERACTIONS",
@@ -25,8 +26,10 @@ __all__ = [
     "interactions_schema",
     "items_schema",
     "rejects_schema",
+    "requests_schema",
     "splits_schema",
     "validate",
+    "validate_requests",
 ]
 
 MAX_EXAMPLES = 5  # failing rows shown per check in the error message
@@ -50,7 +53,7 @@ def _int_list_in_range(value: Any, num_items: int | None, non_empty: bool) -> bo
         return False
     if not all(isinstance(v, int | np.integer) for v in value):
         return False
-    return num_items is None or all(0 <= int(v) < num_items for v in value)
+    return all(int(v) >= 0 and (num_items is None or int(v) < num_items) for v in value)
 
 
 def _str_list(value: Any) -> bool:
@@ -199,6 +202,89 @@ def rejects_schema() -> pa.DataFrameSchema:
     )
 
 
+REQUEST_SPLITS = ("train", "valid", "test")
+
+
+def _is_sid(value: Any) -> bool:
+    """A SID string that is exactly its SID tokens (``<a_1><b_2>...``), as the grammar requires."""
+    parts = split_sid(value) if isinstance(value, str) else []
+    return bool(parts) and "".join(parts) == value
+
+
+def _length(value: Any) -> int:
+    """Length of a list cell; -1 for a cell that is not a list (the column check names it)."""
+    return len(value) if _is_seq(value) else -1
+
+
+def _sid_list(value: Any) -> bool:
+    return (
+        _is_seq(value) and len(value) > 0 and all(_is_sid(v) for v in value) and len(set(value)) == len(value)
+    )
+
+
+def _request_row_checks() -> list[pa.Check]:
+    """Cross-column rules of a request: one SID per candidate, the target where it says, no repeats."""
+
+    def sids_match_candidates(df: pd.DataFrame) -> pd.Series:
+        return df["candidate_sids"].map(_length) == df["candidates"].map(_length)
+
+    def target_at_position(df: pd.DataFrame) -> pd.Series:
+        cells = zip(df["candidates"], df["target"], df["target_position"], strict=True)
+        return pd.Series(
+            [0 < p <= _length(c) and int(c[p - 1]) == int(t) for c, t, p in cells], index=df.index
+        )
+
+    def one_row_per_request(df: pd.DataFrame) -> pd.Series:
+        # valid/test: one row per user; train rows differ by prefix, i.e. by their prompt
+        keys = [
+            (u, s) if s != "train" else (u, s, int(t), tuple(map(int, p)))
+            for u, s, t, p in zip(df["user_id"], df["split"], df["target"], df["prompt_ids"], strict=True)
+        ]
+        return ~pd.Series(keys, index=df.index).duplicated(keep="first")
+
+    return [
+        pa.Check(sids_match_candidates, name="one_sid_per_candidate"),
+        pa.Check(target_at_position, name="target_at_target_position"),
+        pa.Check(one_row_per_request, name="one_row_per_user_and_split"),
+    ]
+
+
+def requests_schema() -> pa.DataFrameSchema:
+    """The ``requests`` frame every model stage reads (``core/text/examples.py``): a prompt, its
+    candidates in pre-rank order with one well-formed, distinct SID each, and the target among them."""
+    return pa.DataFrameSchema(
+        {
+            "user_id": _id_column(),
+            "split": pa.Column(str, pa.Check.isin(REQUEST_SPLITS)),
+            "target": _id_column(),
+            "target_position": pa.Column("int64", pa.Check.ge(1)),
+            "candidates": pa.Column(
+                object,
+                pa.Check(
+                    lambda v: _int_list_in_range(v, None, True) and len(set(map(int, v))) == len(v),
+                    element_wise=True,
+                    name="unique_item_ids",
+                ),
+            ),
+            "candidate_sids": pa.Column(
+                object, pa.Check(_sid_list, element_wise=True, name="distinct_well_formed_sids")
+            ),
+            "prompt_ids": pa.Column(
+                object,
+                pa.Check(lambda v: _int_list_in_range(v, None, True), element_wise=True, name="token_ids"),
+            ),
+        },
+        checks=_request_row_checks(),
+        strict=True,
+        name="requests",
+    )
+
+
+def validate_requests(frame: pd.DataFrame) -> pd.DataFrame:
+    """Validate a ``requests`` frame; raises `SchemaValidationError` naming the column, check and rows."""
+    return validate(frame, requests_schema(), "requests")
+
+
 def _describe_failures(name: str, cases: pd.DataFrame) -> str:
     """One line per failing check: the column (or the columns of a frame-level rule), rows, values."""
     groups = cases.groupby(["schema_context", "check"], dropna=False, sort=False)
@@ -220,7 +306,11 @@ def _describe_failures(name: str, cases: pd.DataFrame) -> str:
 
 
 def _plain(value: Any) -> Any:
-    return value.tolist() if hasattr(value, "tolist") else value
+    """A failure value for the message: numpy made plain, long lists cut (a prompt has 300+ ids)."""
+    value = value.tolist() if hasattr(value, "tolist") else value
+    if isinstance(value, list) and len(value) > 2 * MAX_EXAMPLES:
+        return [*value[: 2 * MAX_EXAMPLES], f"... {len(value)} in all"]
+    return value
 
 
 def _sample(values: Sequence[Any]) -> str:

@@ -8,6 +8,7 @@ from typing import Any
 import pandas as pd
 from transformers import PreTrainedTokenizerFast
 
+from diffusion_gr2.core.data.schemas import validate_requests
 from diffusion_gr2.core.model.factory import ModelSpec, load_pretrained_tokenizer
 from diffusion_gr2.core.text.examples import encode_requests, encode_sft, length_report
 from diffusion_gr2.core.text.prompt import ItemLookup, PromptConfig
@@ -79,5 +80,6 @@ def encode_datasets(
     requests = encode_requests(
         candidates, _lookup(items, sids, params), tokenizer, PromptConfig(**params["prompt"])
     )
+    validate_requests(requests)  # every model stage reads it: a bad SID list stops here, named
     report = {**trace_stats, **length_report(sft_examples, requests), "vocab_size": len(tokenizer)}
     return sft_examples, requests, report, as_metrics_history(report)
