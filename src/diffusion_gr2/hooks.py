@@ -1,4 +1,5 @@
-"""Kedro hooks: lineage tags on the MLflow run that kedro-mlflow opens for each ``kedro run``."""
+"""Kedro hooks: lineage tags on the MLflow run that kedro-mlflow opens for each ``kedro run``, and
+schema checks on boundary datasets as they are loaded."""
 
 from __future__ import annotations
 
@@ -32,3 +33,21 @@ class LineageHooks:
             **dvc_hashes(project_dir),
         }
         mlflow.set_tags(tags)
+
+
+class BoundarySchemaHooks:
+    """Validate boundary datasets whenever a node loads them, not only where they are written.
+
+    ``requests`` is read by every model stage (RL, OPD, inference, benchmark); a file edited or
+    produced elsewhere (retraining feeds outside data) must fail here, naming the row and the rule,
+    rather than deep inside decoding with a bare ``zip()`` or ``IndexError`` message.
+    """
+
+    DATASETS = ("requests",)
+
+    @hook_impl
+    def after_dataset_loaded(self, dataset_name: str, data: Any) -> None:
+        if dataset_name in self.DATASETS:
+            from diffusion_gr2.core.data.schemas import validate_requests  # pandera: only when needed
+
+            validate_requests(data)

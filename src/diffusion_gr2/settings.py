@@ -7,11 +7,11 @@ import os
 from kedro.config import OmegaConfigLoader
 
 from diffusion_gr2.core.env import quiet_offline_environment
-from diffusion_gr2.hooks import LineageHooks
+from diffusion_gr2.hooks import BoundarySchemaHooks, LineageHooks
 
 quiet_offline_environment()
 
-HOOKS = (LineageHooks(),)
+HOOKS = (LineageHooks(), BoundarySchemaHooks())
 
 CONFIG_LOADER_CLASS = OmegaConfigLoader
 CONFIG_LOADER_ARGS = {
