@@ -31,9 +31,9 @@ from diffusion_gr2.core.train.checkpoint import (
     LoopState,
     checkpoint_dirs,
     get_rng_state,
-    latest_checkpoint,
-    load_checkpoint,
     prune_checkpoints,
+    remove_stale_temp_dirs,
+    restore_latest,
     save_checkpoint,
     set_rng_state,
 )
@@ -238,17 +238,23 @@ def _checkpoint(run: _Run, root: Path, state: LoopState) -> None:
 
 
 def _restore(run: _Run, root: Path) -> tuple[LoopState, int | None]:
-    """Resume from the newest complete checkpoint, or start fresh (discarding stale checkpoints)."""
+    """Resume from the newest usable checkpoint (damaged ones are skipped with a warning), or start
+    fresh (discarding stale checkpoints)."""
     acc, config = run.accelerator, run.config
-    latest = latest_checkpoint(root) if config.resume else None
-    if latest is None:
+    if acc.is_main_process:
+        remove_stale_temp_dirs(root)  # half-written folders of a killed run
+    restored = None
+    if config.resume:
+        args = (run.model, run.optimizer, run.scheduler, acc.scaler)
+        restored = restore_latest(root, *args, quarantine=acc.is_main_process)
+    if restored is None:
         if not config.resume and checkpoint_dirs(root) and acc.is_main_process:
             # Stale checkpoints of an earlier run would outrank the new ones at the next resume.
             logger.warning("resume=False: discarding existing checkpoints in %s", root)
             prune_checkpoints(root, keep=0)
         acc.wait_for_everyone()
         return LoopState(), None
-    state, rng_states = load_checkpoint(latest, run.model, run.optimizer, run.scheduler, acc.scaler)
+    latest, state, rng_states = restored
     if len(rng_states) == acc.num_processes:
         set_rng_state(rng_states[acc.process_index])
     else:  # a different process count cannot replay the same streams; stay deterministic at least
