@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
-import json
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -14,6 +12,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
 from diffusion_gr2.core.tracking.mlflow_utils import MlflowTracker
+from diffusion_gr2.core.train.checkpoint import content_fingerprint
 from diffusion_gr2.core.train.loop import TrainConfig, train
 from diffusion_gr2.core.train.stages import (
     RolloutConfig,
@@ -28,12 +27,7 @@ from diffusion_gr2.core.train.stages import (
 
 def fingerprint(params: dict[str, Any], model: torch.nn.Module, *frames: pd.DataFrame) -> str:
     """Hash of what a training run depends on, so a resume never picks up another run's checkpoint."""
-    digest = hashlib.sha256(json.dumps(params, sort_keys=True, default=str).encode())
-    for tensor in model.state_dict().values():
-        digest.update(tensor.detach().cpu().float().sum().numpy().tobytes())  # same on any device
-    for frame in frames:
-        digest.update(pd.util.hash_pandas_object(frame.astype(str), index=False).to_numpy().tobytes())
-    return digest.hexdigest()[:12]
+    return content_fingerprint(params, model, *frames)
 
 
 def train_stage(
