@@ -8,6 +8,8 @@ import pandas as pd
 import pytest
 import torch
 
+from diffusion_gr2.core.decode.replay import replay_batch_logits
+from diffusion_gr2.core.model.diffusion import response_logits
 from diffusion_gr2.core.text.examples import encode_requests, encode_sft
 from diffusion_gr2.core.text.prompt import ItemLookup, PromptConfig
 from diffusion_gr2.core.text.tokenizer import build_tokenizer
@@ -24,6 +26,8 @@ from diffusion_gr2.core.train.stages import (
     RLBatch,
     RolloutConfig,
     SupervisedConfig,
+    as_blocks,
+    collate,
     example_batches,
     grpo_batches,
     grpo_loss,
@@ -34,7 +38,9 @@ from diffusion_gr2.core.train.stages import (
     sample_rollouts,
     supervised_loss,
 )
-from tests.core.model.tiny import tiny_model_for
+from tests.core.decode.test_replay import PROMPTS as DECODE_PROMPTS
+from tests.core.decode.test_replay import _decode_with_mid_block_eos
+from tests.core.model.tiny import ATOL, DEVICE, MASK, PAD, tiny_model, tiny_model_for
 from tests.core.text.synthetic import make_candidates, make_items, make_sids, sid_tokens
 
 PROMPT = PromptConfig(history_in_prompt=4, title_words=2, max_categories=1)
@@ -90,6 +96,40 @@ def test_cft_with_block_size_one_is_sft(task: dict) -> None:
         0
     ]
     assert torch.allclose(loss_sft, loss_b1)
+
+
+def _padded(rows: list[list], width: int, fill: float) -> torch.Tensor:
+    return torch.tensor([[*row, *[fill] * (width - len(row))] for row in rows], device=DEVICE)
+
+
+@pytest.mark.parametrize("tau", [0.9, 0.5])
+@torch.no_grad()
+def test_cft_forward_on_the_decoders_canvases_gives_the_logits_it_committed_from(tau: float) -> None:
+    """CFT's training view (`as_blocks` + `response_logits`) of every canvas the decoder ran, the
+    final block's trailing masks included, gives the distribution each token was committed from."""
+    model, k = tiny_model(), 4
+    outputs = _decode_with_mid_block_eos(model, k, tau, rule="prefix")  # the served commit rule
+    lengths = [len(o.tokens) for o in outputs]
+    assert any(n % k for n in lengths)  # an eos inside a block: that final block holds padding
+    batch = move_to(as_blocks(collate(DECODE_PROMPTS, [o.tokens for o in outputs], PAD), k, MASK), DEVICE)
+    width = batch.response_ids.shape[1]
+    steps = _padded([o.commit_steps for o in outputs], width, -1).long()
+    recorded = _padded([o.token_logprobs for o in outputs], width, 0.0)
+    replayed = replay_batch_logits(model, DECODE_PROMPTS, outputs, k, MASK).log_softmax(-1)  # [b, r, v]
+    replayed = torch.nn.functional.pad(replayed, (0, 0, 0, width - replayed.shape[1]))  # [b, width, v]
+    checked = torch.zeros_like(steps, dtype=torch.bool)
+    for step in range(1, int(steps.max()) + 1):
+        canvas = torch.where((steps >= 0) & (steps < step), batch.response_ids, MASK)
+        logp = response_logits(
+            model, batch.prompt_ids, batch.response_ids, k, canvas, batch.prompt_mask, batch.response_mask
+        ).log_softmax(-1)
+        here = (steps == step) | ((steps == 0) & (step == 1))  # a block's first token: any canvas
+        taken = logp.gather(-1, batch.response_ids[..., None]).squeeze(-1)
+        torch.testing.assert_close(taken[here], recorded[here], atol=2 * ATOL, rtol=0)
+        torch.testing.assert_close(logp[here], replayed[here], atol=2 * ATOL, rtol=0)
+        checked |= here
+    final_block = torch.stack([torch.arange(width, device=DEVICE) // k == (n - 1) // k for n in lengths])
+    assert bool(checked[steps >= 0].all()) and bool((checked & final_block).sum() >= len(lengths))
 
 
 def assert_replay_matches_the_decoder(model, rollouts, pad_id: int, temperature: float) -> None:

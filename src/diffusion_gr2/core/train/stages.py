@@ -10,7 +10,7 @@ micro-batch index, the seed and the current weights, so a resumed run repeats it
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import pandas as pd
@@ -39,7 +39,7 @@ class TokenBatch:
     prompt_ids: torch.Tensor
     prompt_mask: torch.Tensor
     response_ids: torch.Tensor
-    response_mask: torch.Tensor
+    response_mask: torch.Tensor  # [b, r] keys: real tokens (block form: whole blocks, `as_blocks`)
     roles: torch.Tensor  # [b, r]; PADDING_ROLE on padding
     index: int = 0  # micro-batch index: seeds the CFT noise of this batch
 
@@ -103,6 +103,23 @@ def example_batches(examples: pd.DataFrame, pad_id: int, config: SupervisedConfi
     return make_batch
 
 
+def as_blocks(batch: TokenBatch, block_size: int, mask_token_id: int) -> TokenBatch:
+    """`batch` with its responses padded to whole blocks of `block_size`, as the decoder writes them.
+
+    Padding becomes mask tokens with role `PADDING_ROLE` (never a loss). `response_mask` (the keys)
+    covers every position of a row's blocks, its final block's trailing masks included: the decoder
+    runs a block as one canvas whose every position is a key (DESIGN §8), and the answer and
+    `<|im_end|>` are in that block. Blocks after a row's final one exist only because the batch is
+    padded; nothing attends to them and they are not keys.
+    """
+    ids, roles = pad_to_blocks(batch.response_ids, batch.roles, block_size, mask_token_id)
+    ids = torch.where(roles == PADDING_ROLE, mask_token_id, ids)
+    length = (roles != PADDING_ROLE).sum(1, keepdim=True)  # [b, 1]: responses are right-padded
+    in_blocks = -(-length // block_size) * block_size  # [b, 1]: the end of each row's final block
+    keys = torch.arange(ids.shape[1], device=ids.device)[None, :] < in_blocks  # [b, r]
+    return replace(batch, response_ids=ids, roles=roles, response_mask=keys)
+
+
 def supervised_loss(config: SupervisedConfig, mask_token_id: int | None = None) -> Callable:
     """SFT loss (block size 1) or CFT loss: masked-diffusion CE with complementary views (DESIGN §6)."""
     k = config.block_size
@@ -115,8 +132,8 @@ def supervised_loss(config: SupervisedConfig, mask_token_id: int | None = None) 
             return weighted_token_ce(
                 logits, batch.response_ids, batch.roles, batch.response_mask, config.lambda_r, config.lambda_o
             )
-        ids, roles = pad_to_blocks(batch.response_ids, batch.roles, k, mask_token_id)
-        ids = torch.where(roles == PADDING_ROLE, mask_token_id, ids)  # padding = mask tokens without loss
+        batch = as_blocks(batch, k, mask_token_id)
+        ids, roles = batch.response_ids, batch.roles
         gen = torch.Generator().manual_seed(config.seed * 1_000_003 + batch.index)
         noise = cft_noise(ids, roles, k, mask_token_id, config.eps, gen)
         # Both complementary views in one forward, as two noisy copies sharing the prompt and the
@@ -128,7 +145,7 @@ def supervised_loss(config: SupervisedConfig, mask_token_id: int | None = None) 
             k,
             torch.stack([noise.noisy_a, noise.noisy_b], 1),
             batch.prompt_mask,
-            roles != PADDING_ROLE,
+            batch.response_mask,
         ).flatten(0, 1)  # [2b, r, v]: view a and view b of each row, in turn
         return weighted_token_ce(
             logits,
