@@ -78,6 +78,8 @@ def _json_safe(obj: Any) -> Any:
     """
     if isinstance(obj, float):
         return obj if math.isfinite(obj) else None
+    if obj is pd.NA or obj is pd.NaT:
+        return None
     if isinstance(obj, dict):
         return {key: _json_safe(value) for key, value in obj.items()}
     if isinstance(obj, list | tuple):
