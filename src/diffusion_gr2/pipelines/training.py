@@ -2,25 +2,28 @@
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pandas as pd
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
 from diffusion_gr2.core.tracking.mlflow_utils import MlflowTracker
 from diffusion_gr2.core.train.checkpoint import content_fingerprint
+from diffusion_gr2.core.train.grpo import GRPOConfig
 from diffusion_gr2.core.train.loop import TrainConfig, train
 from diffusion_gr2.core.train.stages import (
     RolloutConfig,
     SupervisedConfig,
     example_batches,
-    grpo_batches,
-    grpo_loss,
     policy_block_size,
+    rl_batches,
+    rl_loss,
     supervised_loss,
 )
 
@@ -37,8 +40,13 @@ def train_stage(
     loss_fn: Callable,
     params: dict[str, Any],
     *frames: pd.DataFrame,
+    summarise: Callable[[list[dict[str, float]]], dict[str, float]] | None = None,
 ) -> dict[str, Any]:
-    """Train ``model`` in place on the shared loop; checkpoints live under a fingerprinted folder."""
+    """Train ``model`` in place on the shared loop; checkpoints live under a fingerprinted folder.
+
+    ``summarise(history)`` adds run-wide figures to the summary (the final step's metrics are there
+    anyway).
+    """
     run_dir = Path(params["checkpoint_root"]) / stage / fingerprint(params, model, *frames)
     config = TrainConfig(output_dir=str(run_dir), **params["train"])
     start = time.perf_counter()
@@ -51,7 +59,20 @@ def train_stage(
         # every step's time, steps run before a resume included; run_seconds is this call alone
         "train_seconds": round(result.seconds, 1),
         "run_seconds": round(time.perf_counter() - start, 1),
+        **(summarise(result.history) if summarise is not None else {}),
     }
+
+
+def rl_diagnostics(history: list[dict[str, float]]) -> dict[str, float]:
+    """Run-wide means of the per-step GRPO diagnostics, and the share of steps where the clip acted."""
+    out = {
+        f"mean_{k}": float(np.mean([h[k] for h in history if k in h]))
+        for k in ("clip_fraction", "kl_old", "entropy", "ratio_mean")
+        if any(k in h for h in history)
+    }
+    if "mean_clip_fraction" in out:
+        out["share_of_steps_clipped"] = float(np.mean([h.get("clip_fraction", 0.0) > 0 for h in history]))
+    return out
 
 
 def train_supervised(
@@ -74,9 +95,24 @@ def train_supervised(
 def train_policy_rl(
     model: PreTrainedModel, requests: pd.DataFrame, tokenizer: PreTrainedTokenizerFast, params: dict[str, Any]
 ) -> tuple[PreTrainedModel, dict[str, Any]]:
-    """DAPO on the policy's own rollouts; the same node trains the AR teacher and the diffusion model."""
+    """DAPO on the policy's own rollouts; the same node trains the AR teacher and the diffusion model.
+
+    Each rollout batch trains `grpo.ppo_epochs` x `grpo.mini_batches` optimiser steps (`train.max_steps`
+    counts optimiser steps); checkpoints must fall between rollout batches so a resume is exact.
+    """
     train_requests = requests[requests["split"] == "train"].reset_index(drop=True)
-    rollout = RolloutConfig(**params["rollout"])
-    loss_fn = grpo_loss(tokenizer.pad_token_id, params["clip_low"], params["clip_high"])
-    make_batch = grpo_batches(tokenizer, train_requests, rollout)
-    return model, train_stage(params["stage"], model, make_batch, loss_fn, params, train_requests)
+    rollout, grpo = RolloutConfig(**params["rollout"]), GRPOConfig(**params["grpo"])
+    every = params["train"].get("checkpoint_every", TrainConfig.checkpoint_every)
+    if every > 0 and every % grpo.updates:
+        raise ValueError(
+            f"train.checkpoint_every ({every}) must be a multiple of the {grpo.updates} updates per rollout batch"
+        )
+    # the loop checks that accelerate runs exactly WORLD_SIZE processes; each samples its own rollouts
+    processes = int(os.environ.get("WORLD_SIZE", "1"))
+    grad_accum = params["train"].get("grad_accum", TrainConfig.grad_accum)
+    make_batch = rl_batches(tokenizer, train_requests, rollout, grpo, grad_accum, processes)
+    loss_fn = rl_loss(tokenizer.pad_token_id, grpo)
+    summary = train_stage(
+        params["stage"], model, make_batch, loss_fn, params, train_requests, summarise=rl_diagnostics
+    )
+    return model, summary

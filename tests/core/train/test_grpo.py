@@ -1,4 +1,4 @@
-"""GRPO/DAPO core: vectorised maths against plain loops, and one real policy update on a tiny model."""
+"""GRPO/DAPO core: vectorised maths against plain loops, rollout reuse, and real updates on a tiny model."""
 
 from __future__ import annotations
 
@@ -10,10 +10,14 @@ import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from diffusion_gr2.core.train.grpo import (
+    GRPOBatch,
+    GRPOConfig,
     group_advantages,
-    grpo_loss_fn,
-    make_grpo_batch,
+    grpo_loss,
+    make_round,
     policy_loss,
+    reuse_batches,
+    token_entropy,
     token_logprobs,
 )
 from diffusion_gr2.core.train.loop import TrainConfig, train
@@ -65,19 +69,30 @@ def test_policy_loss_matches_loop_reference() -> None:
     )
     assert loss.item() == pytest.approx(ref_loss, rel=1e-5)
     assert metrics["clip_fraction"] == pytest.approx(ref_clip) and 0 < ref_clip < 1
-    assert metrics["approx_kl"] == pytest.approx(ref_kl, rel=1e-4)
+    assert metrics["kl_old"] == pytest.approx(ref_kl, rel=1e-4)
     assert metrics["ratio_mean"] == pytest.approx(ref_ratio, rel=1e-5)
 
 
-def test_policy_loss_is_token_level_and_keep_leaves_rows_out() -> None:
+def test_policy_loss_is_token_level_with_an_optional_step_normaliser() -> None:
     new = torch.zeros(2, 4, requires_grad=True)
     adv = torch.tensor([1.0, -3.0])
     mask = torch.tensor([[1, 1, 1, 1], [1, 0, 0, 0]], dtype=torch.bool)
     loss, _ = policy_loss(new, new.detach(), adv, mask)
     assert loss.item() == pytest.approx((4 * -1.0 + 1 * 3.0) / 5)  # sum over tokens / all tokens
-    kept, _ = policy_loss(new, new.detach(), adv, mask, keep=torch.tensor([True, False]))
-    kept.backward()
-    assert kept.item() == pytest.approx(-1.0) and torch.all(new.grad[1] == 0)
+    step, _ = policy_loss(new, new.detach(), adv, mask, token_norm=10.0)  # a micro-batch of a larger step
+    assert step.item() == pytest.approx((4 * -1.0 + 1 * 3.0) / 10)
+
+
+def test_token_entropy_matches_loop_and_ignores_forbidden_tokens() -> None:
+    logits = torch.randn(2, 3, 5, generator=torch.Generator().manual_seed(0))
+    ent = token_entropy(logits)
+    for i in range(2):
+        for j in range(3):
+            p = torch.softmax(logits[i, j].double(), -1).tolist()
+            assert ent[i, j].item() == pytest.approx(-sum(q * math.log(q) for q in p), rel=1e-5)
+    forbidden = logits.clone()
+    forbidden[..., 3:] = torch.finfo(torch.float32).min  # a grammar's mask: the renormalised rest
+    torch.testing.assert_close(token_entropy(forbidden), token_entropy(logits[..., :3]))
 
 
 def _tiny_policy(seed: int = 0) -> Qwen3ForCausalLM:
@@ -90,59 +105,123 @@ def _tiny_policy(seed: int = 0) -> Qwen3ForCausalLM:
 
 
 PROMPT = torch.tensor([[1, 2, 3]])
+# two groups of four rollouts (group-major), tokens 4..23 of the tiny vocabulary
+ROLLOUTS = torch.arange(4, 24).view(5, 4).repeat(2, 1)[:8]
+MASK = torch.ones_like(ROLLOUTS, dtype=torch.bool)
 
 
-def _ar_logprobs(model: torch.nn.Module, rollouts: torch.Tensor) -> torch.Tensor:
-    """AR policy: one causal forward over prompt + rollout; rollouts [b, r] -> log-probs [b, r]."""
-    b, r = rollouts.shape
-    ids = torch.cat([PROMPT.expand(b, -1), rollouts], dim=1)  # [b, p + r]
-    logits = model(input_ids=ids).logits[:, PROMPT.shape[1] - 1 : -1]  # token shift: [b, r, v]
-    return token_logprobs(logits, rollouts)
+def _ar_logits(model: torch.nn.Module, rollouts: torch.Tensor, rows) -> torch.Tensor:
+    """AR policy: one causal forward over prompt + rollout; rows of rollouts [b, r] -> logits [m, r, v]."""
+    picked = rollouts[list(rows)]  # [m, r]
+    ids = torch.cat([PROMPT.expand(len(picked), -1), picked], dim=1)  # [m, p + r]
+    return model(input_ids=ids).logits[:, PROMPT.shape[1] - 1 : -1]  # token shift: [m, r, v]
 
 
-ROLLOUTS = torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12], [13, 14, 15, 16], [17, 18, 19, 20]])
+def _ar_logprobs(model: torch.nn.Module) -> torch.Tensor:
+    with torch.no_grad():
+        return token_logprobs(_ar_logits(model, ROLLOUTS, range(len(ROLLOUTS))), ROLLOUTS)  # [b, r]
 
 
-def test_grpo_steps_raise_best_and_lower_worst_rollout(tmp_path: Path) -> None:
+def _rounds(rewards: torch.Tensor):
+    """``sample_round`` that scores the fixed rollouts with ``rewards`` [2, 4], and the ids it was asked for."""
+    asked: list[int] = []
+
+    def sample_round(round_id: int, model: torch.nn.Module):
+        asked.append(round_id)
+        return make_round(model, _ar_logits, ROLLOUTS, ROLLOUTS, MASK, rewards)
+
+    return sample_round, asked
+
+
+REWARDS = torch.tensor([[1.0, 0.3, -0.2, -1.0], [0.5, 0.0, 0.0, -1.0]])  # rollout 0 best, 3 worst
+
+
+def test_reused_rollouts_move_the_ratio_and_the_clip_acts(tmp_path: Path) -> None:
     model = _tiny_policy()
-    rewards = torch.tensor([[1.0, 0.3, -0.2, -1.0]])  # rollout 0 best, rollout 3 worst (invalid)
-    mask = torch.ones_like(ROLLOUTS, dtype=torch.bool)
-
-    def make_batch(index: int, policy: torch.nn.Module):
-        with torch.no_grad():  # on-policy: old log-probs from the current weights
-            old = _ar_logprobs(policy, ROLLOUTS)
-        return make_grpo_batch(ROLLOUTS, old, rewards, mask)
-
-    with torch.no_grad():
-        before = _ar_logprobs(model, ROLLOUTS).sum(dim=1)
+    sample_round, asked = _rounds(REWARDS)
+    config = GRPOConfig(clip_low=0.2, clip_high=0.28, ppo_epochs=4, mini_batches=2)
+    before = _ar_logprobs(model).sum(dim=1)
     cfg = TrainConfig(
-        output_dir=str(tmp_path), lr=5e-3, max_steps=3, checkpoint_every=0, cpu=True, progress=False
+        output_dir=str(tmp_path), lr=2e-2, max_steps=8, checkpoint_every=0, cpu=True, progress=False
     )
-    result = train(model, make_batch, grpo_loss_fn(_ar_logprobs), cfg)
-    with torch.no_grad():
-        after = _ar_logprobs(model, ROLLOUTS).sum(dim=1)
+    history = train(model, reuse_batches(sample_round, config), grpo_loss(_ar_logits, config), cfg).history
+    after = _ar_logprobs(model).sum(dim=1)
+    assert asked == [0]  # one rollout batch, sampled once, trained 4 epochs x 2 mini-batches
+    first, later = history[0], history[1:]
+    # The first update is on-policy: the ratio is 1 (same forward as the old log-probs), nothing clips.
+    assert first["ratio_mean"] == pytest.approx(1.0, abs=1e-6)
+    assert first["clip_fraction"] == 0.0 and first["kl_old"] == pytest.approx(0.0, abs=1e-9)
+    assert all(h["kl_old"] > 0 for h in later) and max(h["clip_fraction"] for h in later) > 0
+    assert [h["ppo_epoch"] for h in history] == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert all(h["entropy"] > 0 for h in history)
     assert after[0] > before[0] and after[3] < before[3]
-    assert result.history[0]["ratio_mean"] == pytest.approx(1.0) and result.history[0]["kept_fraction"] == 1.0
 
 
-def _grads(model: torch.nn.Module, batch) -> list[torch.Tensor]:
+def test_schedule_splits_each_round_over_updates_micro_batches_and_processes() -> None:
+    model = _tiny_policy()
+    rewards = torch.tensor([[1.0, 0.3, -0.2, -1.0], [0.5, 0.5, 0.5, 0.5]])  # group 2 is dropped
+    sample_round, asked = _rounds(rewards)
+    config = GRPOConfig(ppo_epochs=2, mini_batches=2)
+    accum, processes, process = 2, 3, 1
+    make_batch = reuse_batches(sample_round, config, grad_accum=accum, num_processes=processes)
+    # process 1's micro-batches of two rounds: (step * accum + micro) * processes + process
+    batches = [
+        make_batch((s * accum + m) * processes + process, model) for s in range(8) for m in range(accum)
+    ]
+    assert asked == [process, processes + process]  # round ids distinct over processes
+    per_step = [batches[i : i + accum] for i in range(0, len(batches), accum)]
+    for step, (a, b) in enumerate(per_step):
+        assert (a.epoch, a.token_norm) == (step % 4 // 2, (len(a.rows) + len(b.rows)) * 4 / accum)
+    for epoch in range(4):  # every kept rollout once per epoch, over its two mini-batches
+        rows = sorted(r for b in batches[4 * epoch : 4 * epoch + 4] for r in b.rows)
+        assert rows == [0, 1, 2, 3]
+    fresh = reuse_batches(sample_round, config, grad_accum=accum)
+    with pytest.raises(RuntimeError, match="first update"):
+        fresh(2 * accum, model)  # step 2: a resume inside round 0 cannot rebuild it
+
+
+def _grads(model: torch.nn.Module, batches: list[GRPOBatch], config: GRPOConfig) -> list[torch.Tensor]:
+    """Gradients of one optimiser step over `batches` as the loop takes it (each loss / grad_accum)."""
     model.zero_grad(set_to_none=False)
-    loss, _ = grpo_loss_fn(_ar_logprobs)(model, batch)
-    loss.backward()
+    for batch in batches:
+        loss, _ = grpo_loss(_ar_logits, config)(model, batch)
+        (loss / len(batches)).backward()
     return [p.grad.clone() for p in model.parameters()]
+
+
+def test_grad_accum_keeps_one_token_normalisation_over_the_step() -> None:
+    model = _tiny_policy(1)
+    lengths = torch.tensor([4, 1, 3, 2, 4, 2, 1, 4])  # 21 tokens: the two micro-batches hold unequal counts
+    mask = torch.arange(4)[None, :] < lengths[:, None]
+    config = GRPOConfig()
+
+    def sample_round(round_id: int, policy: torch.nn.Module):
+        return make_round(policy, _ar_logits, ROLLOUTS, ROLLOUTS, mask, REWARDS)
+
+    whole = reuse_batches(sample_round, config, grad_accum=1)(0, model)
+    split = reuse_batches(sample_round, config, grad_accum=2)
+    parts = [split(0, model), split(1, model)]
+    assert len(parts[0].rows) == len(parts[1].rows) == 4
+    assert float(mask[parts[0].rows].sum()) != float(mask[parts[1].rows].sum())
+    for g_split, g_whole in zip(_grads(model, parts, config), _grads(model, [whole], config), strict=True):
+        torch.testing.assert_close(g_split, g_whole, atol=1e-7, rtol=1e-5)
 
 
 def test_zero_variance_groups_contribute_no_gradient() -> None:
     model = _tiny_policy(1)
-    with torch.no_grad():
-        old = _ar_logprobs(model, ROLLOUTS)
-    mask = torch.ones_like(ROLLOUTS, dtype=torch.bool)
-    flat = make_grpo_batch(ROLLOUTS, old, torch.tensor([[0.5, 0.5], [-1.0, -1.0]]), mask)
-    assert not flat.keep.any()
-    assert all(torch.all(g == 0) for g in _grads(model, flat))
+    config = GRPOConfig()
+
+    def batch_of(rewards: torch.Tensor, rows: int = 8) -> GRPOBatch:
+        rnd = make_round(model, _ar_logits, ROLLOUTS[:rows], ROLLOUTS[:rows], MASK[:rows], rewards)
+        return reuse_batches(lambda i, m: rnd, config)(0, model)
+
+    flat = batch_of(torch.tensor([[0.5, 0.5, 0.5, 0.5], [-1.0, -1.0, -1.0, -1.0]]))
+    assert flat.rows == [] and flat.round.metrics["kept_groups"] == 0.0
+    assert all(torch.all(g == 0) for g in _grads(model, [flat], config))
     # A mixed batch: group 2 (flat) changes neither the gradient nor the token count of group 1.
-    mixed = make_grpo_batch(ROLLOUTS, old, torch.tensor([[1.0, 0.0], [0.2, 0.2]]), mask)
-    alone = make_grpo_batch(ROLLOUTS[:2], old[:2], torch.tensor([[1.0, 0.0]]), mask[:2])
-    for gm, ga in zip(_grads(model, mixed), _grads(model, alone), strict=True):
+    mixed = batch_of(torch.tensor([[1.0, 0.0, 0.2, 0.1], [0.2, 0.2, 0.2, 0.2]]))
+    alone = batch_of(torch.tensor([[1.0, 0.0, 0.2, 0.1]]), rows=4)
+    assert sorted(mixed.rows) == [0, 1, 2, 3] and mixed.token_norm == alone.token_norm == 16
+    for gm, ga in zip(_grads(model, [mixed], config), _grads(model, [alone], config), strict=True):
         torch.testing.assert_close(gm, ga)
-    assert any(torch.any(g != 0) for g in _grads(model, alone))
+    assert any(torch.any(g != 0) for g in _grads(model, [alone], config))

@@ -20,19 +20,18 @@ from diffusion_gr2.core.text.traces import (
     examples_from_frame,
     rejection_sample,
 )
-from diffusion_gr2.core.train.grpo import make_grpo_batch, policy_loss, token_logprobs
+from diffusion_gr2.core.train.grpo import GRPOConfig
 from diffusion_gr2.core.train.loop import TrainConfig, move_to, train
 from diffusion_gr2.core.train.stages import (
-    RLBatch,
     RolloutConfig,
     SupervisedConfig,
     as_blocks,
     collate,
     example_batches,
-    grpo_batches,
-    grpo_loss,
     opd_batches,
     opd_loss,
+    rl_batches,
+    rl_loss,
     rollout_decode_config,
     rollout_logits,
     sample_rollouts,
@@ -174,34 +173,40 @@ def test_grpo_step_runs_and_drops_zero_variance_groups(task: dict, tmp_path) -> 
     tok = task["tokenizer"]
     model = tiny_model_for(tok, 4)
     config = RolloutConfig(prompts_per_step=2, group_size=2, max_new_tokens=16)
-    make_batch = grpo_batches(tok, task["requests"], config)
+    make_batch = rl_batches(tok, task["requests"], config, GRPOConfig())
     batch = move_to(make_batch(0, model), model.device)
-    _, metrics = grpo_loss(tok.pad_token_id, 0.2, 0.28)(model, batch)
-    assert metrics["kept_groups"] == 0.0  # all rollouts invalid (-1): no reward variance, no signal
+    _, metrics = rl_loss(tok.pad_token_id, GRPOConfig())(model, batch)
+    assert metrics["kept_groups"] == 0.0 and batch.rows == []  # all invalid (-1): no variance, no signal
     before = copy.deepcopy(model.state_dict())
-    run(model, make_batch, grpo_loss(tok.pad_token_id, 0.2, 0.28), tmp_path, steps=1)
+    run(model, make_batch, rl_loss(tok.pad_token_id, GRPOConfig()), tmp_path, steps=1)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 
 @pytest.mark.parametrize("block_size", [1, 4])
-def test_grpo_loss_scores_only_kept_groups_and_equals_the_masked_full_batch(
-    task: dict, block_size: int
-) -> None:
+def test_rl_reuses_each_rollout_batch_and_the_clip_acts(task: dict, tmp_path, block_size: int) -> None:
+    """Production RL on a tiny policy (AR, and diffusion by replay): the old log-probs are the
+    decoder's, the first update is on-policy (ratio 1), and the later ones on the same rollouts clip."""
     tok = task["tokenizer"]
     model = policy_model(tok, block_size)
-    config = RolloutConfig(prompts_per_step=2, group_size=2, max_new_tokens=16, threshold=0.5)
-    batch = grpo_batches(tok, task["requests"], config)(0, model)
-    g = batch.grpo
-    rewards = torch.tensor([[-1.0, -1.0], [1.0, 0.2]])  # group 0 has no variance, group 1 has
-    grpo = move_to(make_grpo_batch(None, g.old_logprobs, rewards, g.mask), model.device)
-    loss, metrics = grpo_loss(tok.pad_token_id, 0.2, 0.28)(model, RLBatch(grpo, batch.rollouts, 1.0))
-    full = rollout_logits(model, batch.rollouts, tok.pad_token_id).float()
-    ids = batch.rollouts.token_batch(tok.pad_token_id).response_ids.to(full.device)
-    ref, _ = policy_loss(
-        token_logprobs(full, ids), grpo.old_logprobs, grpo.advantages, grpo.mask, 0.2, 0.28, grpo.keep
+    # under the grammar every rollout is a valid ranking, so rewards differ within a group
+    rollout = RolloutConfig(
+        prompts_per_step=2, group_size=4, max_new_tokens=64, threshold=0.5, constrained=True
     )
-    assert metrics["kept_groups"] == 0.5
-    assert torch.allclose(loss, ref, atol=1e-6) and loss.requires_grad
+    grpo = GRPOConfig(clip_low=0.2, clip_high=0.2, ppo_epochs=3, mini_batches=2)
+    history = run(
+        model,
+        rl_batches(tok, task["requests"], rollout, grpo),
+        rl_loss(tok.pad_token_id, grpo),
+        tmp_path,
+        6,
+        3e-2,
+    ).history
+    first, later = history[0], history[1:]
+    assert first["kept_groups"] > 0 and first["behaviour_gap"] < 1e-4  # recomputed = recorded
+    assert first["ratio_mean"] == pytest.approx(1.0, abs=1e-6) and first["clip_fraction"] == 0.0
+    assert [h["ppo_epoch"] for h in history] == [0, 0, 1, 1, 2, 2]
+    assert all(h["kl_old"] > 0 for h in later) and max(h["clip_fraction"] for h in later) > 0
+    assert all(h["entropy"] > 0 for h in history)
 
 
 def test_opd_loss_zero_for_identical_ar_models_and_positive_otherwise(task: dict) -> None:

@@ -1,29 +1,67 @@
 """The one GRPO/DAPO core, shared by the AR teacher (B = 1) and the block-diffusion policy (DESIGN §6).
 
-Nothing here knows the policy type: log-probabilities come from a callable the caller provides (AR: a
-causal forward; diffusion: replay of each token's commit canvas, TraceRL style). Shapes: ``g`` group
-size, ``b`` rollouts (= groups x g), ``r`` response length, ``v`` vocabulary.
+Nothing here knows the policy type: the caller provides ``logits_fn(model, inputs, rows) -> [m, r, v]``,
+the logits each token of rollouts ``rows`` was sampled from under the current weights (AR: one causal
+forward; diffusion: replay of each token's commit canvas, TraceRL style).
+
+Rollout reuse (PPO; the DAPO and Diffusion-GR2 recipes reuse each rollout batch): a *round* is one
+rollout batch, sampled once. Its old log-probs are computed once, by a no-grad pass of ``logits_fn``
+under the weights that sampled it, before any update; the round then trains ``ppo_epochs`` passes of
+``mini_batches`` optimiser steps each. The first step's ratio is 1; every later step sees a policy
+that has moved, which is where the clip acts. The old log-probs come from the training forward, not
+from the decoder's recorded ones: both are the sampling distribution (equal to float rounding on the
+CPU, ``behaviour_gap`` logs the difference), but only the training forward makes the ratio exactly
+the policy's change, whatever precision or kernels the decoder ran with (verl recomputes them too).
+
+Shapes: ``g`` group size, ``b`` rollouts of a round (= groups x g), ``r`` response length, ``v``
+vocabulary, ``m`` rollouts of one micro-batch.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 __all__ = [
     "GRPOBatch",
+    "GRPOConfig",
+    "GRPORound",
+    "LogitsFn",
     "group_advantages",
-    "grpo_loss_fn",
-    "make_grpo_batch",
+    "grpo_loss",
+    "make_round",
     "policy_loss",
+    "reuse_batches",
+    "token_entropy",
     "token_logprobs",
 ]
 
-LogprobFn = Callable[[torch.nn.Module, Any], torch.Tensor]
+# logits_fn(model, inputs, rows) -> [m, r', v]: logits of rollouts `rows` (r' = their longest response)
+LogitsFn = Callable[[torch.nn.Module, Any, Sequence[int]], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class GRPOConfig:
+    """The policy loss and how often each rollout batch is reused."""
+
+    clip_low: float = 0.2  # ratio floor 1 - clip_low
+    clip_high: float = 0.28  # ratio ceiling 1 + clip_high (DAPO clip-higher; Diffusion-GR2 uses 0.2)
+    ppo_epochs: int = 1  # passes over each rollout batch; 1 = on-policy (ratio always 1)
+    mini_batches: int = 1  # optimiser steps per pass; the kept rollouts are split between them
+
+    def __post_init__(self) -> None:
+        if self.ppo_epochs < 1 or self.mini_batches < 1:
+            raise ValueError(f"ppo_epochs and mini_batches must be >= 1, got {self}")
+
+    @property
+    def updates(self) -> int:
+        """Optimiser steps each rollout batch trains."""
+        return self.ppo_epochs * self.mini_batches
 
 
 def group_advantages(rewards: torch.Tensor, eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
@@ -51,6 +89,15 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     return logp.gather(-1, tokens.long().unsqueeze(-1)).squeeze(-1)
 
 
+def token_entropy(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy of each position's distribution: logits [b, r, v] -> [b, r] (float32, nats).
+
+    A logit of ``finfo.min`` (a token a grammar forbids) has probability 0 and contributes 0.
+    """
+    logp = F.log_softmax(logits.float(), dim=-1)
+    return -torch.special.xlogy(logp.exp(), logp.exp()).sum(-1)
+
+
 def policy_loss(
     new_logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
@@ -58,34 +105,34 @@ def policy_loss(
     mask: torch.Tensor,
     clip_low: float = 0.2,
     clip_high: float = 0.28,
-    keep: torch.Tensor | None = None,
+    token_norm: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """DAPO clipped policy-gradient loss, normalised over all tokens of the batch.
+    """DAPO clipped policy-gradient loss, token-level: sum over tokens / ``token_norm``.
 
-    new_logprobs, old_logprobs [b, r]; advantages [b]; mask [b, r] bool (response tokens); keep [b]
-    optional bool (rows of dropped groups are left out of the sum *and* the token count).
+    new_logprobs, old_logprobs [m, r]; advantages [m]; mask [m, r] bool (response tokens).
     Per token: -min(ratio A, clip(ratio, 1 - clip_low, 1 + clip_high) A), ratio = exp(new - old).
     Asymmetric clipping ("clip-higher") lets rare tokens gain probability; token-level normalisation
     (sum over tokens / tokens in the batch) stops long rollouts being under-weighted (DAPO §3).
-    Metrics: ``clip_fraction`` (tokens where the clipped term is active), ``approx_kl`` (k3 estimator
-    of KL(old || new), always >= 0), ``ratio_mean``.
+    ``token_norm`` defaults to the tokens of this batch; a micro-batch of a larger optimiser step
+    passes that step's count instead, so the step has one normalisation (see ``reuse_batches``).
+    Metrics: ``clip_fraction`` (tokens where the clipped term is active), ``kl_old`` (k3 estimator
+    of KL(old || new), always >= 0), ``ratio_mean``, ``tokens``.
     """
     mask = mask.bool()
-    if keep is not None:
-        mask = mask & keep.bool().unsqueeze(1)
-    adv = advantages.to(new_logprobs.dtype).unsqueeze(1)  # [b, 1]
+    adv = advantages.to(new_logprobs.dtype).unsqueeze(1)  # [m, 1]
     # where(), not a product with the mask: padding log-probs may be -inf, and 0 * inf is nan.
     log_ratio = torch.where(mask, new_logprobs - old_logprobs.detach(), torch.zeros_like(new_logprobs))
     ratio = log_ratio.exp()
     unclipped = -adv * ratio
     clipped = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
-    per_token = torch.maximum(unclipped, clipped)  # [b, r]
+    per_token = torch.maximum(unclipped, clipped)  # [m, r]
     n_tokens = mask.sum().clamp_min(1)
-    loss = torch.where(mask, per_token, torch.zeros_like(per_token)).sum() / n_tokens
+    norm = n_tokens if token_norm is None else max(token_norm, 1e-12)
+    loss = torch.where(mask, per_token, torch.zeros_like(per_token)).sum() / norm
     with torch.no_grad():
         metrics = {
             "clip_fraction": float(((clipped > unclipped) & mask).sum() / n_tokens),
-            "approx_kl": float((((ratio - 1.0) - log_ratio) * mask).sum() / n_tokens),
+            "kl_old": float((((ratio - 1.0) - log_ratio) * mask).sum() / n_tokens),
             "ratio_mean": float((ratio * mask).sum() / n_tokens),
             "tokens": float(mask.sum()),
         }
@@ -93,34 +140,151 @@ def policy_loss(
 
 
 @dataclass(frozen=True)
-class GRPOBatch:
-    """One RL batch: rollouts flattened group-major, with what the loss needs besides the policy."""
+class GRPORound:
+    """One rollout batch with what every update on it needs; rows laid out group-major."""
 
-    inputs: Any  # whatever the caller's log-prob function needs (ids, commit records, ...)
-    old_logprobs: torch.Tensor  # [b, r] log-probs at rollout time
+    inputs: Any  # what logits_fn reads (the rollouts)
+    tokens: torch.Tensor  # [b, r] sampled tokens, right-padded
+    old_logprobs: torch.Tensor  # [b, r] under the sampling weights (0 on rows of dropped groups)
     advantages: torch.Tensor  # [b]
     mask: torch.Tensor  # [b, r] bool, response tokens
     keep: torch.Tensor  # [b] bool, rollouts of groups with reward variance
+    temperature: float = 1.0  # the rollouts were sampled from softmax(logits / temperature)
+    metrics: dict[str, float] = field(default_factory=dict)  # logged with every update on the round
 
 
-def make_grpo_batch(
-    inputs: Any, old_logprobs: torch.Tensor, rewards: torch.Tensor, mask: torch.Tensor
-) -> GRPOBatch:
-    """Assemble a batch from rollouts laid out group-major: rewards [n_groups, g], the rest [b = n g, r]."""
+def _scored_logprobs(
+    model: torch.nn.Module,
+    logits_fn: LogitsFn,
+    inputs: Any,
+    rows: Sequence[int],
+    tokens: torch.Tensor,
+    t: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs [m, r'] of `tokens` [m, r] under the current weights, and the logits [m, r', v]."""
+    logits = logits_fn(model, inputs, rows).float() / t
+    return token_logprobs(logits, tokens[:, : logits.shape[1]].to(logits.device)), logits
+
+
+def make_round(
+    model: torch.nn.Module,
+    logits_fn: LogitsFn,
+    inputs: Any,
+    tokens: torch.Tensor,
+    mask: torch.Tensor,
+    rewards: torch.Tensor,
+    temperature: float = 1.0,
+    recorded_logprobs: torch.Tensor | None = None,
+    metrics: dict[str, float] | None = None,
+) -> GRPORound:
+    """A round from rollouts laid out group-major: rewards [n_groups, g], tokens/mask [b = n g, r].
+
+    The old log-probs of the kept rollouts come from one no-grad pass now, before any update.
+    ``recorded_logprobs`` [b, r] (the decoder's, optional) only feed the ``behaviour_gap`` metric.
+    """
     advantages, keep = group_advantages(rewards)
-    return GRPOBatch(inputs, old_logprobs.detach(), advantages.reshape(-1), mask.bool(), keep.reshape(-1))
+    keep, mask = keep.reshape(-1), mask.bool()
+    old = torch.zeros(tokens.shape, dtype=torch.float32)
+    rows = torch.nonzero(keep).squeeze(1).tolist()
+    extra = {**(metrics or {}), "kept_groups": float(keep.float().mean())}
+    if rows:
+        with torch.no_grad():
+            logp, _ = _scored_logprobs(model, logits_fn, inputs, rows, tokens[rows], temperature)
+        old[rows, : logp.shape[1]] = logp.cpu()
+        if recorded_logprobs is not None:
+            gap = (old[rows] - recorded_logprobs[rows]).abs()[mask[rows]]
+            extra["behaviour_gap"] = float(gap.max()) if gap.numel() else 0.0
+    return GRPORound(inputs, tokens, old, advantages.reshape(-1), mask, keep, temperature, extra)
 
 
-def grpo_loss_fn(
-    logprob_fn: LogprobFn, clip_low: float = 0.2, clip_high: float = 0.28
-) -> Callable[[torch.nn.Module, GRPOBatch], tuple[torch.Tensor, dict[str, float]]]:
-    """A ``loss_fn(model, batch)`` for the shared loop; ``logprob_fn(model, inputs) -> [b, r]``."""
+@dataclass(frozen=True)
+class GRPOBatch:
+    """One micro-batch: rows of a round, and the normaliser of the optimiser step it belongs to."""
+
+    round: GRPORound
+    rows: list[int]  # rollouts of the round in this micro-batch (kept groups only)
+    token_norm: float  # tokens of the whole optimiser step / grad_accum (the loop divides by grad_accum)
+    epoch: int  # 0-based pass over the round
+
+
+def _split_rows(
+    keep: torch.Tensor, config: GRPOConfig, grad_accum: int, seed: int, round_id: int, epoch: int
+) -> list[list[list[int]]]:
+    """Kept rollouts shuffled for `epoch`: [mini-batch][micro-batch] -> row indices."""
+    kept = torch.nonzero(keep).squeeze(1).numpy()
+    order = np.random.default_rng([seed, round_id, epoch]).permutation(kept)
+    return [
+        [part.tolist() for part in np.array_split(mini, grad_accum)]
+        for mini in np.array_split(order, config.mini_batches)
+    ]
+
+
+def reuse_batches(
+    sample_round: Callable[[int, torch.nn.Module], GRPORound],
+    config: GRPOConfig,
+    grad_accum: int = 1,
+    num_processes: int = 1,
+    seed: int = 0,
+) -> Callable[[int, torch.nn.Module], GRPOBatch]:
+    """``make_batch`` for the shared loop: every round trains ``config.updates`` optimiser steps.
+
+    ``sample_round(round_id, model)`` samples round ``round_id`` with the current weights. The loop's
+    micro-batch index is ``(step * grad_accum + micro) * num_processes + process``; each process
+    samples its own rounds (ids distinct over processes). The micro-batches of one optimiser step
+    split one mini-batch, normalised by that mini-batch's token count. A round is sampled at its first
+    micro-batch and kept until the next; a run resumed in the middle of a round cannot rebuild it
+    (the weights that sampled it are gone), so checkpoints must fall on round boundaries.
+    """
+    cache: dict[int, GRPORound] = {}
+
+    def make_batch(index: int, model: torch.nn.Module) -> GRPOBatch:
+        process, local = index % num_processes, index // num_processes
+        step, micro = divmod(local, grad_accum)
+        round_no, update = divmod(step, config.updates)
+        epoch, mini = divmod(update, config.mini_batches)
+        round_id = round_no * num_processes + process
+        if round_id not in cache:
+            if update or micro:
+                raise RuntimeError(
+                    f"rollout batch {round_id} must be sampled at its first update, not at update {update} "
+                    f"(micro-batch {micro}): resume only from checkpoints at multiples of {config.updates} steps"
+                )
+            cache.clear()
+            cache[round_id] = sample_round(round_id, model)
+        rnd = cache[round_id]
+        parts = _split_rows(rnd.keep, config, grad_accum, seed, round_id, epoch)[mini]
+        step_tokens = float(rnd.mask[sum(parts, [])].sum())
+        return GRPOBatch(rnd, parts[micro], step_tokens / grad_accum, epoch)
+
+    return make_batch
+
+
+def grpo_loss(logits_fn: LogitsFn, config: GRPOConfig) -> Callable:
+    """``loss_fn(model, batch: GRPOBatch)`` for the shared loop: the one GRPO/DAPO policy loss."""
 
     def loss_fn(model: torch.nn.Module, batch: GRPOBatch) -> tuple[torch.Tensor, dict[str, float]]:
-        new_logprobs = logprob_fn(model, batch.inputs)  # [b, r]
+        rnd = batch.round
+        extra = {**rnd.metrics, "ppo_epoch": float(batch.epoch)}
+        if not batch.rows:
+            # No kept rollout here (every group had zero reward variance): the loss is an exact zero,
+            # so skip the (replay) forward; a graph-connected zero keeps the optimiser step identical.
+            zero = sum(p.sum() for p in model.parameters() if p.requires_grad) * 0.0
+            return zero, {**extra, "clip_fraction": 0.0, "kl_old": 0.0, "ratio_mean": 1.0, "tokens": 0.0}
+        rows = batch.rows
+        new, logits = _scored_logprobs(model, logits_fn, rnd.inputs, rows, rnd.tokens[rows], rnd.temperature)
+        r, dev = new.shape[1], new.device
+        mask = rnd.mask[rows, :r].to(dev)
         loss, metrics = policy_loss(
-            new_logprobs, batch.old_logprobs, batch.advantages, batch.mask, clip_low, clip_high, batch.keep
+            new,
+            rnd.old_logprobs[rows, :r].to(dev),
+            rnd.advantages[rows].to(dev),
+            mask,
+            config.clip_low,
+            config.clip_high,
+            batch.token_norm,
         )
-        return loss, {**metrics, "kept_fraction": float(batch.keep.float().mean())}
+        with torch.no_grad():
+            entropy = float(token_entropy(logits)[mask].mean())
+        return loss, {**extra, **metrics, "entropy": entropy}
 
     return loss_fn

@@ -24,7 +24,14 @@ from diffusion_gr2.core.model.diffusion import response_logits
 from diffusion_gr2.core.rank.rewards import ranking_reward
 from diffusion_gr2.core.text.parser import parse_answer
 from diffusion_gr2.core.text.tokenizer import IM_END, decode_response
-from diffusion_gr2.core.train.grpo import GRPOBatch, make_grpo_batch, policy_loss, token_logprobs
+from diffusion_gr2.core.train.grpo import (
+    GRPOConfig,
+    GRPORound,
+    LogitsFn,
+    grpo_loss,
+    make_round,
+    reuse_batches,
+)
 from diffusion_gr2.core.train.loop import move_to
 from diffusion_gr2.core.train.losses import cft_noise, forward_kl, pad_to_blocks, weighted_token_ce
 
@@ -295,61 +302,54 @@ def request_sampler(requests: pd.DataFrame, per_step: int, seed: int) -> Callabl
     return lambda index: requests.iloc[rows_of(index)]
 
 
-@dataclass(frozen=True)
-class RLBatch:
-    grpo: GRPOBatch
-    rollouts: Rollouts
-    temperature: float
-
-
-def grpo_batches(
-    tokenizer: PreTrainedTokenizerBase, requests: pd.DataFrame, config: RolloutConfig
+def rl_batches(
+    tokenizer: PreTrainedTokenizerBase,
+    requests: pd.DataFrame,
+    config: RolloutConfig,
+    grpo: GRPOConfig,
+    grad_accum: int = 1,
+    num_processes: int = 1,
 ) -> Callable:
-    """``make_batch``: G rollouts per request, rewards, group-normalised advantages (DAPO)."""
+    """``make_batch``: G rollouts per request, rewards, group advantages, old log-probs (DAPO), each
+    rollout batch reused for ``grpo.updates`` optimiser steps (``grpo.reuse_batches``)."""
     take = request_sampler(requests, config.prompts_per_step, config.seed)
+    logits_fn = _rollout_logits_fn(tokenizer.pad_token_id)
 
-    def make_batch(index: int, model: PreTrainedModel) -> RLBatch:
+    def sample_round(round_id: int, model: PreTrainedModel) -> GRPORound:
         rollouts = sample_rollouts(
-            model, tokenizer, take(index), config, seed=config.seed * 1_000_003 + index
+            model, tokenizer, take(round_id), config, seed=config.seed * 1_000_003 + round_id
         )
         batch = rollouts.token_batch(tokenizer.pad_token_id)
-        old = torch.nn.utils.rnn.pad_sequence(
+        recorded = torch.nn.utils.rnn.pad_sequence(
             [torch.tensor(o.token_logprobs, dtype=torch.float32) for o in rollouts.outputs], batch_first=True
         )
-        return RLBatch(
-            make_grpo_batch(None, old, rollouts.rewards, batch.response_mask), rollouts, config.temperature
+        return make_round(
+            model,
+            logits_fn,
+            rollouts,
+            batch.response_ids,
+            batch.response_mask,
+            rollouts.rewards,
+            config.temperature,
+            recorded,
+            rollout_metrics(rollouts),
         )
 
-    return make_batch
+    return reuse_batches(sample_round, grpo, grad_accum, num_processes, config.seed)
 
 
-def grpo_loss(pad_id: int, clip_low: float, clip_high: float) -> Callable:
-    """Token-level clipped policy loss; the ratio's new log-probs come from the policy's own view."""
+def _rollout_logits_fn(pad_id: int) -> LogitsFn:
+    """The policy's own view of its rollouts, for the GRPO core: `rollout_logits` of some rows."""
 
-    def loss_fn(model: PreTrainedModel, batch: RLBatch) -> tuple[torch.Tensor, dict[str, float]]:
-        g = batch.grpo
-        extra = {**rollout_metrics(batch.rollouts), "kept_groups": float(g.keep.float().mean())}
-        rows = torch.nonzero(g.keep).squeeze(1)
-        if len(rows) == 0:
-            # Every group had zero reward variance: the loss is an exact zero, so skip the (replay)
-            # forward; a graph-connected zero keeps the optimizer step identical to computing it.
-            zero = sum(p.sum() for p in model.parameters() if p.requires_grad) * 0.0
-            return zero, {"clip_fraction": 0.0, "approx_kl": 0.0, "ratio_mean": 1.0, "tokens": 0.0, **extra}
-        # Rollouts of dropped groups carry no gradient: only the kept ones are scored.
-        logits = rollout_logits(model, batch.rollouts, pad_id, rows.tolist()).float() / batch.temperature
-        r = logits.shape[1]
-        taken = batch.rollouts.token_batch(pad_id).response_ids.to(logits.device)[rows, :r]
-        loss, metrics = policy_loss(
-            token_logprobs(logits, taken),
-            g.old_logprobs[rows, :r],
-            g.advantages[rows],
-            g.mask[rows, :r],
-            clip_low,
-            clip_high,
-        )
-        return loss, {**metrics, **extra}
+    def logits_fn(model: torch.nn.Module, rollouts: Rollouts, rows: Sequence[int]) -> torch.Tensor:
+        return rollout_logits(model, rollouts, pad_id, rows)
 
-    return loss_fn
+    return logits_fn
+
+
+def rl_loss(pad_id: int, grpo: GRPOConfig) -> Callable:
+    """The GRPO/DAPO loss (``grpo.grpo_loss``) with log-probs from the policy's own view (replay for k > 1)."""
+    return grpo_loss(_rollout_logits_fn(pad_id), grpo)
 
 
 def rollout_metrics(rollouts: Rollouts) -> dict[str, float]:

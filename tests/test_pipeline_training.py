@@ -1,0 +1,38 @@
+"""The shared training nodes: the RL node reuses each rollout batch and reports where the clip acted."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from diffusion_gr2.pipelines.training import train_policy_rl
+from tests.core.train.test_stages import policy_model, task  # noqa: F401 (`task` is a fixture)
+
+
+def _params(root: Path, checkpoint_every: int = 4) -> dict:
+    return {
+        "stage": "rl",
+        "checkpoint_root": str(root),
+        "grpo": {"clip_low": 0.2, "clip_high": 0.2, "ppo_epochs": 2, "mini_batches": 2},
+        # under the grammar every rollout is valid, so groups have reward variance and train
+        "rollout": {"prompts_per_step": 2, "group_size": 4, "max_new_tokens": 48, "threshold": 0.5,
+                    "constrained": True},
+        "train": {"lr": 3e-2, "max_steps": 4, "checkpoint_every": checkpoint_every, "log_every": 1,
+                  "cpu": True, "progress": False},
+    }  # fmt: skip
+
+
+def test_rl_node_reports_the_clip_of_reused_rollouts(task: dict, tmp_path: Path) -> None:  # noqa: F811
+    tok = task["tokenizer"]
+    requests = task["requests"].assign(split="train")
+    _, summary = train_policy_rl(policy_model(tok, 4), requests, tok, _params(tmp_path))
+    assert summary["steps"] == 4 and summary["final_ppo_epoch"] == 1
+    assert summary["mean_clip_fraction"] > 0 and 0 < summary["share_of_steps_clipped"] < 1  # not step 1
+    assert summary["mean_kl_old"] > 0 and summary["mean_entropy"] > 0
+
+
+def test_rl_checkpoints_must_fall_between_rollout_batches(task: dict, tmp_path: Path) -> None:  # noqa: F811
+    tok = task["tokenizer"]
+    with pytest.raises(ValueError, match="multiple of the 4 updates"):
+        train_policy_rl(policy_model(tok, 1), task["requests"], tok, _params(tmp_path, checkpoint_every=3))
