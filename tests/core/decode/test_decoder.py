@@ -8,7 +8,15 @@ import pytest
 import torch
 from transformers import PreTrainedModel
 
-from diffusion_gr2.core.decode.decoder import DecodeConfig, DecodeOutput, _commit_mask, decode
+from diffusion_gr2.core.decode.decoder import (
+    DecodeConfig,
+    DecodeOutput,
+    _CachedRunner,
+    _commit_mask,
+    decode,
+    left_pad_prompts,
+)
+from diffusion_gr2.core.model.masks import prompt_response_layout
 from diffusion_gr2.core.decode.kv_cache import BufferLayer
 from tests.core.model.tiny import ATOL, MASK, random_prompts, same_weights, tiny_model, uncompiled_flex_on_cpu
 
@@ -72,12 +80,21 @@ def test_block_size_one_recompute_equals_cached(model: PreTrainedModel, prompts:
 
 
 @pytest.mark.parametrize(
-    ("k", "tau", "rule"), [(4, 0.9, "prefix"), (4, 0.5, "prefix"), (8, 0.3, "prefix"), (8, 0.3, "confident")]
+    ("k", "tau", "rule", "fused"),
+    [
+        (4, 0.9, "prefix", True),
+        (4, 0.5, "prefix", False),
+        (8, 0.3, "prefix", True),
+        (8, 0.3, "confident", True),
+        (8, 0.3, "confident", False),
+    ],
 )
 def test_block_cached_equals_recompute(
-    model: PreTrainedModel, prompts: list[list[int]], k: int, tau: float, rule: str
+    model: PreTrainedModel, prompts: list[list[int]], k: int, tau: float, rule: str, fused: bool
 ) -> None:
-    cfg = DecodeConfig(block_size=k, threshold=tau, max_new_tokens=22, mask_token_id=MASK, commit_rule=rule)
+    cfg = DecodeConfig(
+        block_size=k, threshold=tau, max_new_tokens=22, mask_token_id=MASK, commit_rule=rule, fused=fused
+    )
     cached = decode(model, prompts, cfg)
     full = decode(model, prompts, dataclasses.replace(cfg, recompute=True))
     for a, b in zip(cached, full, strict=True):
@@ -152,32 +169,104 @@ def test_prefix_rule_writes_each_block_left_to_right(
         decode(model, prompts[:1], dataclasses.replace(cfg, commit_rule="random"))
 
 
+@pytest.mark.parametrize("fused", [True, False])
 @pytest.mark.parametrize("rule", ["confident", "prefix"])
 def test_every_step_commits_and_parallel_commits_are_confident(
-    model: PreTrainedModel, prompts: list[list[int]], rule: str
+    model: PreTrainedModel, prompts: list[list[int]], rule: str, fused: bool
 ) -> None:
-    cfg = DecodeConfig(block_size=4, threshold=0.5, max_new_tokens=20, mask_token_id=MASK, commit_rule=rule)
+    cfg = DecodeConfig(
+        block_size=4, threshold=0.5, max_new_tokens=20, mask_token_id=MASK, commit_rule=rule, fused=fused
+    )
     for out in decode(model, prompts, cfg):
         probs = torch.tensor(out.token_logprobs).exp()
         for start in range(0, len(out.tokens), 4):
             steps = out.commit_steps[start : start + 4]
-            assert steps[0] == 0
-            assert sorted(set(steps[1:])) == list(range(1, max(steps) + 1))  # progress at every step
-            for s in set(steps[1:]):
+            # the first token: by the block's first forward (fused) or by the previous one (step 0)
+            assert steps[0] == (1 if fused else 0)
+            assert sorted(set(steps) - {0}) == list(range(1, max(steps) + 1))  # progress at every step
+            for s in set(steps) - {0}:
                 group = [start + i for i, t in enumerate(steps) if t == s]
-                # several at once: all passed the threshold ("prefix": all after the leftmost one)
-                above = group if rule == "confident" else group[1:]
+                # several at once: all passed the threshold, except the one that guarantees progress
+                # (the first token in a fused first forward; the leftmost one under "prefix")
+                free = group[:1] if rule == "prefix" or (fused and s == 1) else []
                 if len(group) > 1:
-                    assert bool((probs[above] > 0.5).all())
+                    assert bool((probs[[i for i in group if i not in free]] > 0.5).all())
 
 
-def test_step_cap_fills_the_block(model: PreTrainedModel, prompts: list[list[int]]) -> None:
+@pytest.mark.parametrize(("fused", "nfe"), [(True, 2 + 2), (False, 1 + 2 + 1 + 2)])
+def test_step_cap_fills_the_block(
+    model: PreTrainedModel, prompts: list[list[int]], fused: bool, nfe: int
+) -> None:
     cfg = DecodeConfig(
-        block_size=8, threshold=1.0, max_new_tokens=16, mask_token_id=MASK, max_steps_per_block=2
+        block_size=8,
+        threshold=1.0,
+        max_new_tokens=16,
+        mask_token_id=MASK,
+        max_steps_per_block=2,
+        fused=fused,
+        window=2,  # the cap feeds the whole block whatever the window
     )
     for out in decode(model, prompts, cfg):
-        assert max(out.commit_steps) <= 2
-        assert out.nfe == 1 + 2 + 1 + 2  # prefill, 2 steps, commit, 2 steps (the last block needs no commit)
+        assert max(out.commit_steps) <= 2 and len(out.tokens) == 16 and MASK not in out.tokens
+        # fused: 2 forwards per block, the first also writing the prompt / previous block;
+        # else: prefill, 2 steps, the block's own forward, 2 steps (the last block needs no commit)
+        assert out.nfe == nfe
+
+
+def test_fused_forward_writes_the_same_cache_and_first_token(
+    model: PreTrainedModel, prompts: list[list[int]]
+) -> None:
+    """[clean block | next canvas] in one forward = the clean block's own forward, then the canvas."""
+    k, dev = 4, model.device
+    ids, valid = left_pad_prompts(prompts, 0, dev)
+    layout = prompt_response_layout(valid, torch.ones(len(prompts), 3 * k, dtype=torch.bool, device=dev), k)
+    block = torch.randint(2, 120, (len(prompts), k), generator=torch.Generator().manual_seed(0)).to(dev)
+    canvas = torch.full((len(prompts), k), MASK, device=dev)
+    today, fused = _CachedRunner(model, layout), _CachedRunner(model, layout)
+    for runner in (today, fused):
+        runner.forward(ids, None, None)  # prefill
+    first = today.forward(block, None, None)[:, 0]
+    both = fused.forward(block, canvas, torch.ones_like(canvas, dtype=torch.bool))
+    torch.testing.assert_close(both[:, 0], first, atol=ATOL, rtol=0)  # the next block's first token
+    assert torch.equal(both[:, 0].argmax(-1), first.argmax(-1))
+    assert today.n == fused.n == ids.shape[1] + k
+    for a, b in zip(today.cache.layers, fused.cache.layers, strict=True):
+        assert a.get_seq_length() == b.get_seq_length() == today.n  # the canvas is not kept
+        torch.testing.assert_close(a.keys[:, :, : today.n], b.keys[:, :, : today.n], atol=ATOL, rtol=0)
+        torch.testing.assert_close(a.values[:, :, : today.n], b.values[:, :, : today.n], atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_window_of_the_block_size_is_the_whole_canvas(
+    model: PreTrainedModel, prompts: list[list[int]], fused: bool
+) -> None:
+    cfg = DecodeConfig(block_size=8, threshold=0.3, max_new_tokens=24, mask_token_id=MASK, fused=fused)
+    whole = decode(model, prompts, cfg)
+    for window in (8, 100):
+        same = decode(model, prompts, dataclasses.replace(cfg, window=window))
+        for a, b in zip(whole, same, strict=True):
+            assert (a.tokens, a.commit_steps, a.nfe) == (b.tokens, b.commit_steps, b.nfe)
+            assert a.token_logprobs == b.token_logprobs
+    narrow = decode(model, prompts, dataclasses.replace(cfg, window=2))
+    assert [o.tokens for o in narrow] != [o.tokens for o in whole]  # a narrow window really drops keys
+    with pytest.raises(ValueError, match="window"):
+        decode(model, prompts, dataclasses.replace(cfg, window=0))
+
+
+@pytest.mark.parametrize("rule", ["prefix", "confident"])
+def test_windowed_rows_do_not_depend_on_their_batch(
+    model: PreTrainedModel, prompts: list[list[int]], rule: str
+) -> None:
+    """Each row feeds its own window (the rest are keys nobody sees), whatever its neighbours feed."""
+    cfg = DecodeConfig(
+        block_size=8, threshold=0.4, max_new_tokens=24, mask_token_id=MASK, window=3, commit_rule=rule
+    )
+    batched = decode(model, prompts, cfg)
+    full = decode(model, prompts, dataclasses.replace(cfg, recompute=True))
+    for prompt, out, ref in zip(prompts, batched, full, strict=True):
+        single = decode(model, [prompt], cfg)[0]
+        assert (out.tokens, out.commit_steps, out.nfe) == (single.tokens, single.commit_steps, single.nfe)
+        assert (out.tokens, out.commit_steps) == (ref.tokens, ref.commit_steps)
 
 
 def test_max_new_tokens_not_a_multiple_of_the_block(model: PreTrainedModel, prompts: list[list[int]]) -> None:

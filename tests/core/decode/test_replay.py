@@ -23,10 +23,23 @@ def model() -> PreTrainedModel:
 
 
 def _decode_with_mid_block_eos(
-    model: PreTrainedModel, k: int, tau: float, rule: str = "confident"
+    model: PreTrainedModel,
+    k: int,
+    tau: float,
+    rule: str = "confident",
+    fused: bool = True,
+    window: int | None = None,
 ) -> list[DecodeOutput]:
     """Rows ending at an eos inside a block (so the final block has a tail), and one without eos."""
-    cfg = DecodeConfig(block_size=k, threshold=tau, max_new_tokens=24, mask_token_id=MASK, commit_rule=rule)
+    cfg = DecodeConfig(
+        block_size=k,
+        threshold=tau,
+        max_new_tokens=24,
+        mask_token_id=MASK,
+        commit_rule=rule,
+        fused=fused,
+        window=window,
+    )
     free = decode(model, PROMPTS, cfg)
     eos = (free[0].tokens[k + 1], free[2].tokens[min(2 * k + 2, 21)])
     return decode(model, PROMPTS, dataclasses.replace(cfg, eos_token_ids=eos))
@@ -37,23 +50,29 @@ def _assert_logprobs_close(got: torch.Tensor, out: DecodeOutput) -> None:
 
 
 @pytest.mark.parametrize(
-    ("k", "tau", "rule"),
+    ("k", "tau", "rule", "fused", "window"),
     [
-        (1, 0.9, "prefix"),
-        (4, 0.9, "confident"),
-        (4, 0.5, "confident"),
-        (8, 0.5, "confident"),
-        (8, 0.3, "prefix"),
+        (1, 0.9, "prefix", True, None),
+        (4, 0.9, "confident", True, None),
+        (4, 0.5, "confident", False, None),
+        (8, 0.5, "confident", True, None),
+        (8, 0.3, "prefix", True, None),
+        (8, 0.3, "prefix", False, None),
+        (8, 0.3, "prefix", True, 3),
+        (8, 0.5, "confident", False, 2),
     ],
 )
 @torch.no_grad()
 def test_replay_reproduces_the_decoder_logprobs(
-    model: PreTrainedModel, k: int, tau: float, rule: str
+    model: PreTrainedModel, k: int, tau: float, rule: str, fused: bool, window: int | None
 ) -> None:
-    outputs = _decode_with_mid_block_eos(model, k, tau, rule)
-    for prompt, out in zip(PROMPTS, outputs, strict=True):
-        _assert_logprobs_close(replay_logprobs(model, prompt, out, k, MASK), out)
-        assert replay_logits(model, prompt, out, k, MASK).shape == (len(out.tokens), 128)
+    outputs = _decode_with_mid_block_eos(model, k, tau, rule, fused, window)
+    batch = replay_batch_logits(model, PROMPTS, outputs, k, MASK, window=window).log_softmax(-1)
+    for i, out in enumerate(outputs):
+        taken = batch[i, : len(out.tokens)].gather(-1, torch.tensor(out.tokens, device=DEVICE)[:, None])
+        _assert_logprobs_close(taken.squeeze(-1), out)
+        if window is None:
+            assert replay_logits(model, PROMPTS[i], out, k, MASK).shape == (len(out.tokens), 128)
 
 
 @pytest.mark.parametrize(("k", "tau"), [(1, 0.9), (4, 0.5), (8, 0.5)])

@@ -35,7 +35,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import Tensor
@@ -73,6 +73,12 @@ class DecodeConfig:
     batch_size: int = 16  # rows decoded together
     seed: int = 0  # sampling generator
     recompute: bool = False  # debugging: no KV cache, re-run the whole sequence at every step
+    # A finished block's keys/values are written in the same forward as the next block's first step
+    # (its canvas then still has position 0 masked); False = one extra forward per block for it.
+    fused: bool = True
+    # Masked positions of a block each step feeds, from the leftmost masked one (None = the whole
+    # block): positions right of the window are not computed at all (module doc).
+    window: int | None = None
 
 
 @dataclass(frozen=True)
@@ -91,63 +97,70 @@ class DecodeOutput:
 
 
 class _CachedRunner:
-    """Forwards against an exact KV cache that holds the prompt and the committed (clean) blocks."""
+    """Forwards against an exact KV cache that holds the prompt and the committed (clean) blocks.
 
-    def __init__(self, model: PreTrainedModel, prompt_ids: Tensor, layout: Layout) -> None:
-        self.model, self.prompt_ids, self.layout = model, prompt_ids, layout
+    One primitive, `forward(clean, canvas)`: the clean tokens not yet cached (the prompt, or a
+    finished block) and a noisy canvas of the next block run in one forward. The clean part's
+    keys/values enter the cache; the canvas's are dropped again, so the cache stays exact.
+    """
+
+    def __init__(self, model: PreTrainedModel, layout: Layout) -> None:
+        self.model, self.layout = model, layout
         self.cache = buffer_cache(model, layout.length)
         self.n = 0  # columns held by the cache
 
-    def prefill(self) -> Tensor:
-        """[b, v] logits at the last prompt position (left padding: the last column)."""
-        self.n = self.prompt_ids.shape[1]
-        hidden = layout_hidden(self.model, self.prompt_ids, self.layout.head(self.n), cache=self.cache)
-        return lm_logits(self.model, hidden[:, -1])
+    def forward(self, clean: Tensor | None, canvas: Tensor | None, canvas_valid: Tensor | None) -> Tensor:
+        """Logits `[b, m, v]` of the next tokens: the clean part's last position, then canvas positions.
 
-    def _run(self, block: Tensor, keep: int) -> Tensor:
-        """Run `block` [b, k] after the cache (appending its keys/values); logits of its last `keep`."""
-        self.n += block.shape[1]
-        hidden = cached_block_hidden(self.model, block, self.layout.head(self.n), self.cache)
-        return lm_logits(self.model, hidden[:, -keep:])
-
-    def step(self, canvas: Tensor) -> Tensor:
-        """[b, k, v] logits of a noisy canvas; the cache is left unchanged."""
-        logits = self._run(canvas, canvas.shape[1])
-        self.cache.crop(-canvas.shape[1])  # negative = number of tokens to drop (transformers 5)
-        self.n -= canvas.shape[1]
-        return logits
-
-    def commit(self, block: Tensor) -> Tensor:
-        """Write a clean block [b, k] to the cache; [b, v] logits at its last position."""
-        return self._run(block, 1)[:, -1]
+        Column j predicts the block's token `j + lo`: with `clean` ([b, c]) lo = 0 and column 0 comes
+        from the clean part's last position (the block's first token), column j >= 1 from canvas
+        position j - 1 (the token shift); without it lo = 1 (position 0 is already written). `canvas_valid`
+        [b, q] marks the canvas positions each row really feeds (its window); the others are keys
+        nobody attends to, so a row's result never depends on its batch neighbours' windows.
+        """
+        c = 0 if clean is None else clean.shape[1]
+        q = 0 if canvas is None else canvas.shape[1]
+        ids = canvas if clean is None else clean if canvas is None else torch.cat([clean, canvas], 1)
+        end = self.n + c + q
+        lay = self.layout.head(end)
+        if canvas_valid is not None:
+            lay = replace(lay, valid=torch.cat([lay.valid[:, : self.n + c], canvas_valid], 1))
+        # a clean part needs the predicate's mask (it must not see the canvas); a canvas alone sees every key
+        hidden = cached_block_hidden(self.model, ids, lay, self.cache, full_mask=c > 0)
+        if q:
+            self.cache.crop(-q)  # negative = number of tokens to drop (transformers 5)
+        self.n += c
+        lo = c - 1 if c else 0
+        return lm_logits(self.model, hidden[:, lo : c + q - 1 if q else c])
 
     def keep(self, rows: Tensor) -> None:
         """Drop every row not in `rows`."""
         self.cache.batch_select_indices(rows)
-        self.layout, self.prompt_ids = self.layout.rows(rows), self.prompt_ids[rows]
+        self.layout = self.layout.rows(rows)
 
 
 class _RecomputeRunner:
     """Debugging twin of `_CachedRunner`: no cache, the whole sequence is re-run with the full mask."""
 
-    def __init__(self, model: PreTrainedModel, prompt_ids: Tensor, layout: Layout) -> None:
-        self.model, self.seq, self.layout = model, prompt_ids, layout
+    def __init__(self, model: PreTrainedModel, layout: Layout) -> None:
+        self.model, self.layout = model, layout
+        self.seq: Tensor | None = None  # every clean token so far
 
-    def _run(self, ids: Tensor, last: int) -> Tensor:
-        hidden = layout_hidden(self.model, ids, self.layout.head(ids.shape[1]))
-        return lm_logits(self.model, hidden[:, -last:])
-
-    def prefill(self) -> Tensor:
-        return self._run(self.seq, 1)[:, -1]
-
-    def step(self, canvas: Tensor) -> Tensor:
-        return self._run(torch.cat([self.seq, canvas], 1), canvas.shape[1])
-
-    def commit(self, block: Tensor) -> Tensor:
-        self.seq = torch.cat([self.seq, block], 1)
-        return self._run(self.seq, 1)[:, -1]
+    def forward(self, clean: Tensor | None, canvas: Tensor | None, canvas_valid: Tensor | None) -> Tensor:
+        if clean is not None:
+            self.seq = clean if self.seq is None else torch.cat([self.seq, clean], 1)
+        assert self.seq is not None, "the first forward carries the prompt"
+        n, q = self.seq.shape[1], 0 if canvas is None else canvas.shape[1]
+        lay = self.layout.head(n + q)
+        if canvas_valid is not None:
+            lay = replace(lay, valid=torch.cat([lay.valid[:, :n], canvas_valid], 1))
+        ids = self.seq if canvas is None else torch.cat([self.seq, canvas], 1)
+        hidden = layout_hidden(self.model, ids, lay)
+        lo = n - 1 if clean is not None else n
+        return lm_logits(self.model, hidden[:, lo : n + q - 1 if q else n])
 
     def keep(self, rows: Tensor) -> None:
+        assert self.seq is not None
         self.seq, self.layout = self.seq[rows], self.layout.rows(rows)
 
 
@@ -248,36 +261,45 @@ class _Block:
     """Canvas of the current block for every active row, with its commit record; all `[b, k]`."""
 
     tokens: Tensor
-    steps: Tensor  # commit step, -1 while masked
+    steps: Tensor  # forward of the block that committed the position (0 = before the block), -1 = masked
     logps: Tensor
     masked: Tensor
-    nfe: Tensor  # [b] step forwards each row needed
+    nfe: Tensor  # [b] forwards each row took part in
     forced: Tensor  # [b] commits a constraint corrected
 
     @classmethod
-    def start(cls, first: Tensor, first_logp: Tensor, k: int, mask_id: int) -> _Block:
-        b, dev = first.shape[0], first.device
-        tokens = torch.full((b, k), mask_id, dtype=torch.long, device=dev)
-        tokens[:, 0] = first
-        steps = torch.full((b, k), -1, dtype=torch.long, device=dev)
-        steps[:, 0] = 0
-        logps = torch.zeros(b, k, device=dev)
-        logps[:, 0] = first_logp
-        masked = torch.ones(b, k, dtype=torch.bool, device=dev)
-        masked[:, 0] = False
-        zeros = torch.zeros(b, dtype=torch.long, device=dev)
-        return cls(tokens, steps, logps, masked, zeros, zeros.clone())
+    def empty(cls, b: int, k: int, mask_id: int, device: torch.device) -> _Block:
+        zeros = torch.zeros(b, dtype=torch.long, device=device)
+        return cls(
+            torch.full((b, k), mask_id, dtype=torch.long, device=device),
+            torch.full((b, k), -1, dtype=torch.long, device=device),
+            torch.zeros(b, k, device=device),
+            torch.ones(b, k, dtype=torch.bool, device=device),
+            zeros,
+            zeros.clone(),
+        )
 
-    def apply(self, commit: Tensor, tokens: Tensor, logps: Tensor, step: int) -> None:
-        """Commit positions 1..k-1 where `commit` [b, k-1] is set."""
-        self.tokens[:, 1:] = torch.where(commit, tokens, self.tokens[:, 1:])
-        self.logps[:, 1:] = torch.where(commit, logps, self.logps[:, 1:])
-        self.steps[:, 1:] = torch.where(commit, step, self.steps[:, 1:])
-        self.masked[:, 1:] &= ~commit
+    def apply(self, commit: Tensor, tokens: Tensor, logps: Tensor, step: int, lo: int) -> None:
+        """Commit positions `lo .. lo + m - 1` where `commit` [b, m] is set."""
+        cols = slice(lo, lo + commit.shape[1])
+        self.tokens[:, cols] = torch.where(commit, tokens, self.tokens[:, cols])
+        self.logps[:, cols] = torch.where(commit, logps, self.logps[:, cols])
+        self.steps[:, cols] = torch.where(commit, step, self.steps[:, cols])
+        self.masked[:, cols] &= ~commit
 
 
-def _denoise_block(
+def _fed_width(masked: Tensor, window: int | None) -> Tensor:
+    """[b] canvas positions each row feeds: up to its leftmost masked one plus `window` (all k if None)."""
+    k = masked.shape[1]
+    if window is None:
+        return torch.full((masked.shape[0],), k, dtype=torch.long, device=masked.device)
+    leftmost = torch.where(masked.any(1), masked.long().argmax(1), k)
+    return (leftmost + window).clamp(max=k)
+
+
+def _run_block(
     runner: _CachedRunner | _RecomputeRunner,
+    pending: Tensor | None,
     blk: _Block,
     cfg: DecodeConfig,
     limit: int,
@@ -286,20 +308,38 @@ def _denoise_block(
     constraints: Sequence[TokenConstraint | None] | None,
     budgets: Sequence[int],
 ) -> None:
-    """Unmask `blk` step by step; rows whose relevant positions are all committed stop taking part.
+    """Unmask `blk` forward by forward; rows whose relevant positions are all committed stop taking part.
 
-    With `constraints`, `budgets[i]` is what row i may still write at the block's position 0.
+    `pending` (clean tokens not in the cache yet) rides along in the first forward, whose column 0 is
+    the block's first token. `budgets[i]` is what row i may still write at the block's position 0.
     """
     k = blk.tokens.shape[1]
     max_steps = cfg.max_steps_per_block or k
     for step in range(1, max_steps + 1):
         need = (blk.masked & _relevant(blk.tokens, blk.masked, limit, eos)).any(1)  # [b]
-        if not bool(need.any()):
+        if pending is None and not bool(need.any()):
             return
-        logits = runner.step(blk.tokens)[:, :-1]  # [b, k-1, v]: position i-1 predicts token i
+        fill = step == max_steps  # the cap: every remaining position is filled, so the whole block is fed
+        if k == 1:
+            fed = torch.zeros_like(need, dtype=torch.long)
+        else:
+            fed = _fed_width(blk.masked, None if fill else cfg.window)
+        q = int(fed.max())  # a row whose positions are all committed feeds its whole (clean) block
+        canvas_valid = torch.arange(q, device=fed.device) < fed[:, None]
+        lo = 0 if pending is not None else 1
+        logits = runner.forward(pending, blk.tokens[:, :q] if q else None, canvas_valid)  # [b, m, v]
+        need = need | (pending is not None)  # the first forward also writes the clean part: all rows
+        pending = None
         tokens, logps = _choose(logits, cfg, gen)
-        cand = blk.masked[:, 1:] & need[:, None]
-        commit = _commit_mask(cand, logps, cfg.threshold, step == max_steps, cfg.commit_rule)
+        m = logits.shape[1]
+        fed_cols = torch.arange(lo, lo + m, device=fed.device) < fed[:, None]
+        cand = blk.masked[:, lo : lo + m] & fed_cols & need[:, None]
+        if lo == 0:  # column 0, the block's first token, is predicted by the clean part, not the canvas
+            cand[:, 0] = blk.masked[:, 0]
+        conf = logps
+        if lo == 0:  # only this forward predicts the first token: every rule takes it, as if certain
+            conf = torch.cat([torch.zeros_like(logps[:, :1]), logps[:, 1:]], 1)
+        commit = _commit_mask(cand, conf, cfg.threshold, fill, cfg.commit_rule)
         if constraints is not None:
             fixes = _constrain_commits(
                 constraints,
@@ -307,13 +347,13 @@ def _denoise_block(
                 tokens,
                 logps,
                 commit,
-                [left - 1 for left in budgets],  # the canvas starts at the block's position 1
-                step == max_steps,
+                [left - lo for left in budgets],
+                fill,
                 cfg,
                 gen,
             )
             blk.forced += torch.tensor(fixes, device=blk.forced.device)
-        blk.apply(commit, tokens, logps, step)
+        blk.apply(commit, tokens, logps, step if k > 1 else 0, lo)  # AR: no canvas, step 0 as before
         blk.nfe += need
 
 
@@ -339,7 +379,7 @@ class _Record:
     tokens: list[int] = field(default_factory=list)
     steps: list[int] = field(default_factory=list)
     logps: list[float] = field(default_factory=list)
-    nfe: int = 1  # the prefill
+    nfe: int = 0  # forwards, the prefill included
     tail_tokens: list[int] = field(default_factory=list)
     tail_steps: list[int] = field(default_factory=list)
     forced: int = 0
@@ -377,23 +417,6 @@ def _record_block(
     return keep
 
 
-def _first_tokens(
-    last: Tensor,
-    cfg: DecodeConfig,
-    gen: torch.Generator,
-    constraints: Sequence[TokenConstraint | None] | None,
-    budgets: Sequence[int],
-) -> tuple[Tensor, Tensor, list[int]]:
-    """Each row's next block's first token from `last` [b, v]: tokens, log-probs, corrections."""
-    tokens, logps = _choose(last, cfg, gen)
-    if constraints is None:
-        return tokens, logps, [0] * len(tokens)
-    tokens, logps = tokens[:, None], logps[:, None]
-    commit = torch.ones_like(tokens, dtype=torch.bool)
-    forced = _constrain_commits(constraints, last[:, None], tokens, logps, commit, budgets, True, cfg, gen)
-    return tokens[:, 0], logps[:, 0], forced
-
-
 def _decode_batch(
     model: PreTrainedModel,
     prompts: Sequence[Sequence[int]],
@@ -408,31 +431,37 @@ def _decode_batch(
     layout = prompt_response_layout(
         valid, torch.ones(len(prompts), n_blocks * k, dtype=torch.bool, device=dev), k
     )
-    runner = (_RecomputeRunner if cfg.recompute else _CachedRunner)(model, ids, layout)
+    runner = (_RecomputeRunner if cfg.recompute else _CachedRunner)(model, layout)
     eos_t, eos = torch.tensor(cfg.eos_token_ids, dtype=torch.long, device=dev), set(cfg.eos_token_ids)
+    mask_id = cfg.mask_token_id if k > 1 else cfg.pad_token_id
     records = [_Record() for _ in prompts]
     active = list(range(len(prompts)))  # record index of each row still in the batch
-    last = runner.prefill()  # [b, v]
+    pending: Tensor | None = ids  # clean tokens the cache does not hold yet: the prompt, then each block
     for b_idx in range(n_blocks):
         limit = min(k, cfg.max_new_tokens - b_idx * k)
         rows = None if constraints is None else [constraints[r] for r in active]
         budgets = [cfg.max_new_tokens - len(records[r].tokens) for r in active]
-        first, first_logp, forced = _first_tokens(last, cfg, gen, rows, budgets)
-        blk = _Block.start(first, first_logp, k, cfg.mask_token_id if k > 1 else cfg.pad_token_id)
-        blk.forced += torch.tensor(forced, device=dev)
-        if k > 1:
-            _denoise_block(runner, blk, cfg, limit, eos_t, gen, rows, budgets)
+        blk = _Block.empty(len(active), k, mask_id, dev)
+        if not cfg.fused and k > 1:  # the block's own forward writes it; its last logit starts the next
+            first = runner.forward(pending, None, None)  # [b, 1, v]
+            commit = torch.ones(len(active), 1, dtype=torch.bool, device=dev)
+            tokens, logps = _choose(first, cfg, gen)
+            if rows is not None:
+                fixes = _constrain_commits(rows, first, tokens, logps, commit, budgets, True, cfg, gen)
+                blk.forced += torch.tensor(fixes, device=dev)
+            blk.apply(commit, tokens, logps, 0, 0)
+            blk.nfe += 1
+            pending = None
+        _run_block(runner, pending, blk, cfg, limit, eos_t, gen, rows, budgets)
         keep = _record_block(records, active, blk, limit, eos, last_block=b_idx == n_blocks - 1)
         if not keep:
             break
+        pending = blk.tokens
         if len(keep) < len(active):  # finished rows leave the batch
-            rows = torch.tensor(keep, device=dev)
-            runner.keep(rows)
-            blk.tokens = blk.tokens[rows]
+            kept = torch.tensor(keep, device=dev)
+            runner.keep(kept)
+            pending = pending[kept]
             active = [active[i] for i in keep]
-        last = runner.commit(blk.tokens)
-        for r in active:
-            records[r].nfe += 1
     return [r.output() for r in records]
 
 
@@ -451,6 +480,8 @@ def decode(
     """
     if config.block_size > 1 and config.mask_token_id is None:
         raise ValueError("block_size > 1 needs mask_token_id")
+    if config.window is not None and config.window < 1:
+        raise ValueError(f"window must be >= 1 (or None for the whole block), got {config.window}")
     if config.commit_rule not in COMMIT_RULES:
         raise ValueError(f"commit_rule must be one of {COMMIT_RULES}, got {config.commit_rule!r}")
     if constraints is not None:

@@ -52,20 +52,21 @@ def _prefix_cache(cache: DynamicCache, n: int, rows: Tensor) -> DynamicCache:
     )
 
 
-def _canvas_layout(layout: Layout, rows: Tensor, prefix: int, k: int, canvas_valid: Tensor) -> Layout:
+def _canvas_layout(layout: Layout, rows: Tensor, prefix: int, k: int, fed: Tensor) -> Layout:
     """`[clean prefix | canvas 1 | ... | canvas S]` of the block at column `prefix`, for `rows`.
 
-    Canvas c is noisy copy c of the block (same block id and positions); `canvas_valid` [n, S] marks
-    the canvases a row really has (the others are padding, attended by nobody).
+    Canvas c is noisy copy c of the block (same block id and positions); `fed` [n, S, k] marks the
+    positions a row's canvas really fed (its window; nothing for a canvas it never ran), the others
+    are padding, attended by nobody.
     """
     head = layout.head(prefix + k).rows(rows)
-    s = canvas_valid.shape[1]
+    s = fed.shape[1]
     block_cols = slice(prefix, prefix + k)
     copy = torch.arange(1, s + 1, device=rows.device).repeat_interleave(k).expand(len(rows), -1)
     return Layout(
         torch.cat([head.block[:, :prefix], head.block[:, block_cols].repeat(1, s)], 1),
         torch.cat([head.copy[:, :prefix], copy], 1),
-        torch.cat([head.valid[:, :prefix], canvas_valid.repeat_interleave(k, 1)], 1),
+        torch.cat([head.valid[:, :prefix], fed.flatten(1)], 1),
         torch.cat([head.position[:, :prefix], head.position[:, block_cols].repeat(1, s)], 1),
     )
 
@@ -76,9 +77,15 @@ def replay_batch_logits(
     outputs: Sequence[DecodeOutput],
     block_size: int,
     mask_token_id: int,
+    window: int | None = None,
+    max_steps: int | None = None,
 ) -> Tensor:
     """Logits `[n, r, v]` (r = longest output): `[i, j]` is the distribution `outputs[i].tokens[j]`
-    was committed from. Rows are right-padded; logits past a row's output are meaningless."""
+    was committed from. Rows are right-padded; logits past a row's output are meaningless.
+
+    `window` and `max_steps` are the decoder's (`DecodeConfig.window`, `max_steps_per_block`): a
+    canvas fed only the positions up to its leftmost masked one plus the window, except at the step
+    cap, which feeds the whole block."""
     dev, k = model.device, block_size
     lengths = torch.tensor([len(o.tokens) for o in outputs], device=dev)
     r = int(lengths.max())
@@ -107,14 +114,20 @@ def replay_batch_logits(
         s = torch.arange(1, s_max + 1, device=dev)[None, :, None]  # canvas c runs step c
         visible = (step_of[:, None, :] >= 0) & (step_of[:, None, :] < s)  # committed before that step
         canvases = torch.where(visible, tokens[rows, None, start : start + k], mask_token_id)  # [m, S, k]
-        canvas_valid = s[..., 0] <= n_steps[rows, None]  # [m, S]
-        lay = _canvas_layout(canvas_layout, rows, p + start, k, canvas_valid)
+        fed = (s <= n_steps[rows, None, None]).expand(-1, -1, k)  # [m, S, k]: canvases the row ran
+        if window is not None:  # the decoder's window, counted from each canvas's leftmost masked position
+            leftmost = torch.where((~visible).any(-1), (~visible).long().argmax(-1), k)  # [m, S]
+            width = torch.where(s[..., 0] == (max_steps or k), k, (leftmost + window).clamp(max=k))
+            fed = fed & (torch.arange(k, device=dev) < width[..., None])
+        lay = _canvas_layout(canvas_layout, rows, p + start, k, fed)
         canvas_h = cached_block_hidden(
             model, canvases.flatten(1), lay, _prefix_cache(cache, p + start, rows), full_mask=True
         ).view(len(rows), s_max, k, -1)
-        # token j of the block, committed at step s >= 1, is predicted at position j - 1 of canvas s
+        # token j >= 1 of the block, committed at step s >= 1, is predicted at position j - 1 of canvas
+        # s; token 0 always by the clean prefix (also when a fused forward committed it at step 1)
         in_output = start + torch.arange(k, device=dev) < lengths[rows, None]
-        row, j = torch.nonzero((step_of >= 1) & in_output, as_tuple=True)
+        from_canvas = (step_of >= 1) & in_output & (torch.arange(k, device=dev) >= 1)
+        row, j = torch.nonzero(from_canvas, as_tuple=True)
         hidden = hidden.index_put((rows[row], start + j), canvas_h[row, step_of[row, j] - 1, j - 1])
     return lm_logits(model, hidden)
 

@@ -127,9 +127,9 @@ def response_logits(
     prompt_ids: [b, p] (padding on either side, given by `prompt_mask` [b, p], 1 = token);
     response_ids: [b, r], right-padded (`response_mask` [b, r]); logits at padded positions are
     meaningless. Block size 1: one causal forward of `[prompt | response]`. Block size k > 1: the 2L
-    forward `[prompt | noisy | clean]` of the canvas `noisy_response_ids` [b, r]; position 0 of each
-    noisy block is overwritten with the clean token (the decoder never masks it), so callers may mask
-    it freely. Several canvases of each example, [b, n, r], run as n noisy copies in one sequence that
+    forward `[prompt | noisy | clean]` of the canvas `noisy_response_ids` [b, r], taken as given:
+    position 0 of a noisy block may be a mask (the decoder's fused first forward has it masked); the
+    prediction of position 0 itself always comes from the clean copy. Several canvases of each example, [b, n, r], run as n noisy copies in one sequence that
     shares the prompt and the clean copy, and give logits `[b, n, r, v]`.
     """
     b, p = prompt_ids.shape
@@ -142,9 +142,8 @@ def response_logits(
     else:
         if noisy_response_ids is None:
             raise ValueError("block_size > 1 needs noisy_response_ids (the canvas the model denoises)")
-        noisy = noisy_response_ids.clone().view(b, -1, r)  # [b, views, r]
+        noisy = noisy_response_ids.reshape(b, -1, r)  # [b, views, r]
         views = noisy.shape[1]
-        noisy[:, :, ::block_size] = response_ids[:, None, ::block_size]
         ids = torch.cat([prompt_ids, noisy.flatten(1), response_ids], 1)
         layout = two_copy_layout(pv, rv, block_size, views)
     hidden = layout_hidden(model, ids, layout)  # [b, l, h]

@@ -76,9 +76,9 @@ class CFTNoise(NamedTuple):
 
     noisy_a, noisy_b: [b, r] response ids with the noised positions replaced by the mask token.
     loss_a, loss_b: [b, r] bool, disjoint; their union is every non-padding position. ``loss_a`` is
-    view a's masked positions plus every block's first position (never masked: its prediction comes
-    from the clean copy, identical in both views, so it is counted once, in view a); ``loss_b`` is view
-    b's masked positions.
+    view a's masked positions plus every block's first position (its prediction comes from the clean
+    copy, identical in both views, so it is counted once, in view a); ``loss_b`` is view b's masked
+    positions other than a block's first.
     """
 
     noisy_a: torch.Tensor
@@ -101,8 +101,10 @@ def cft_noise(
     Padding = mask-token ids or role -1: never supervised. Per (row, block) a noise level t ~ U(0, 1);
     each maskable position is masked in view a with probability (1 - eps) t + eps, and view b masks
     exactly the maskable positions view a kept, so every token is supervised once across the pair.
-    Position 0 of a block is never masked: with the token shift it is predicted from the previous
-    block's last *clean* position, exactly as the decoder commits it (shared with ``response_logits``).
+    Position 0 of a block is masked like the others: the decoder's fused forward runs a block's first
+    canvas before its first token is known (position 0 a mask), so training must show such canvases.
+    Its own prediction always comes from the previous block's last *clean* position, exactly as the
+    decoder commits it (shared with ``response_logits``), so it is supervised once, in view a.
     ``block_size == 1`` masks nothing and supervises every token in view a: the AR loss.
     """
     b, r = response_ids.shape
@@ -116,15 +118,15 @@ def cft_noise(
     u = torch.rand(b, r, generator=generator, device=draw).to(device)  # [b, r]
     real = (response_ids != mask_token_id) & (roles != PADDING)
     block_first = (torch.arange(r, device=device) % block_size == 0).unsqueeze(0)  # [1, r]
-    maskable = real & ~block_first
+    maskable = real if block_size > 1 else torch.zeros_like(real)  # block size 1: the AR loss
     masked_a = maskable & (u < p)
     masked_b = maskable & ~masked_a
     mask_id = torch.full_like(response_ids, mask_token_id)
     return CFTNoise(
         noisy_a=torch.where(masked_a, mask_id, response_ids),
         noisy_b=torch.where(masked_b, mask_id, response_ids),
-        loss_a=masked_a | (real & block_first),
-        loss_b=masked_b,
+        loss_a=(masked_a & ~block_first) | (real & block_first),
+        loss_b=masked_b & ~block_first,
     )
 
 
