@@ -16,8 +16,8 @@ from diffusion_gr2.core.decode.decoder import (
     decode,
     left_pad_prompts,
 )
-from diffusion_gr2.core.model.masks import prompt_response_layout
 from diffusion_gr2.core.decode.kv_cache import BufferLayer
+from diffusion_gr2.core.model.masks import prompt_response_layout
 from tests.core.model.tiny import ATOL, MASK, random_prompts, same_weights, tiny_model, uncompiled_flex_on_cpu
 
 torch.set_num_threads(1)
