@@ -10,6 +10,7 @@ import pytest
 from diffusion_gr2.core.data.expectations import ExpectationReport
 from diffusion_gr2.core.data.schemas import SchemaValidationError, validate_requests
 from diffusion_gr2.core.retrieval.validation import check_candidates, validate_candidates
+from diffusion_gr2.hooks import BoundarySchemaHooks
 
 N, NUM_ITEMS = 4, 30
 
@@ -143,3 +144,12 @@ def test_requests_missing_column_is_named() -> None:
     with pytest.raises(SchemaValidationError, match="column_in_dataframe") as err:
         validate_requests(good_requests().drop(columns="prompt_ids"))
     assert "prompt_ids" in str(err.value)
+
+
+def test_requests_are_checked_whenever_a_node_loads_them() -> None:
+    """The Kedro hook: a damaged requests file stops the consuming node, naming the rule."""
+    hooks = BoundarySchemaHooks()
+    hooks.after_dataset_loaded("requests", good_requests())
+    hooks.after_dataset_loaded("rankings", pd.DataFrame({"anything": [1]}))  # not a checked dataset
+    with pytest.raises(SchemaValidationError, match="one_sid_per_candidate"):
+        hooks.after_dataset_loaded("requests", _set(0, "candidate_sids", SIDS[:3])(good_requests()))
