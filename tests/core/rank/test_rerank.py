@@ -37,7 +37,7 @@ from diffusion_gr2.core.tracking.mlflow_utils import as_metrics_history
 from tests.core.model.tiny import tiny_model_for
 from tests.core.rank.world import make_world
 
-STAGE_KEYS = ["system", "tau", "n", *METRICS, "ci"]
+STAGE_KEYS = ["system", "tau", "window", "split", "n", *METRICS, "ci"]
 
 
 @pytest.fixture(scope="module")
@@ -78,8 +78,15 @@ def test_rerank_diffusion_records_tau_and_fewer_forwards_than_tokens(world) -> N
     free = RerankConfig(
         max_new_tokens=16, constrained=False
     )  # a random model: the grammar would cut every run
-    rows = rerank_system(model, requests, tokenizer, "cft", [0.9, 0.0], free)
+    rows, speeds = rerank_system(model, requests, tokenizer, "cft", [(0.9, None), (0.0, 2)], free, "valid")
     assert rows["tau"].tolist() == [0.9] * len(requests) + [0.0] * len(requests)
+    assert rows["window"].isna().sum() == len(requests) and (rows["window"] == 2).sum() == len(requests)
+    assert (rows["split"] == "valid").all()
+    assert [(s["tau"], s["window"], s["n"]) for s in speeds] == [
+        (0.9, None, len(requests)),
+        (0.0, 2, len(requests)),
+    ]
+    assert all(s["tokens_per_s"] > 0 for s in speeds)
     assert rows["output_tokens"].between(1, 16).all()
     # tau 0 commits every masked position at the first step: a block costs 2 forwards, not 4.
     low = rows[rows["tau"] == 0.0]
@@ -89,7 +96,9 @@ def test_rerank_diffusion_records_tau_and_fewer_forwards_than_tokens(world) -> N
 def test_constrained_rerank_serves_the_models_own_valid_ranking(world) -> None:
     tokenizer, requests = world
     model = tiny_model_for(tokenizer, block_size=4)
-    rows = rerank_system(model, requests, tokenizer, "cft", [0.6], RerankConfig(max_new_tokens=160))
+    rows, _ = rerank_system(
+        model, requests, tokenizer, "cft", [(0.6, None)], RerankConfig(max_new_tokens=160)
+    )
     assert rows["valid"].all() and (rows["forced"] > 0).all()  # random weights: valid only by the grammar
     assert all(r != p for r, p in zip(rows["ranking"], rows["prerank"], strict=True))  # no fallback served
     (metrics,) = stage_metrics(rows, n_boot=50)
@@ -211,7 +220,8 @@ def test_stage_metrics_are_recomputable_from_the_rankings_file(tmp_path: Path) -
 def test_compare_systems_pairs_users_against_each_baseline() -> None:
     rankings = _rankings()
     rows = compare_systems(rankings, EvaluationConfig(n_boot=200))
-    keys = {"system", "tau", "baseline", "baseline_tau", "metric", "n", "mean_diff", "low", "high", "p_value"}
+    keys = {"system", "tau", "window", "split", "baseline", "baseline_tau", "metric", "n", "mean_diff"}
+    keys |= {"low", "high", "p_value"}
     assert all(set(r) == keys for r in rows)
     assert all(r["system"] != r["baseline"] for r in rows)
     assert len(rows) == 2 * 3 * 2  # 2 baselines x 3 other (system, tau) x 2 metrics
@@ -229,7 +239,11 @@ def test_eval_metrics_names_and_markdown_table() -> None:
     assert history["ar_rl.ndcg_at_3"]["value"] == rows[1]["ndcg@3"]
     assert history["cmp.cft.tau0.6.vs_ar_rl.recall_at_1"]["value"] == pytest.approx(1 / 6 - 5 / 6)
     table = metrics_markdown(rows)
-    assert table.count("\n| ") == 5 and "| cft | 0.9 | 6 |" in table and "| ar_rl | — | 6 |" in table
+    assert (
+        table.count("\n| ") == 5
+        and "| test | cft | 0.9 | — | 6 |" in table
+        and "| test | ar_rl | — | — | 6 |" in table
+    )
 
 
 def test_select_requests_filters_sorts_and_caps() -> None:

@@ -25,8 +25,11 @@ _COLORS = {  # one colour per system, stable across figures
 
 
 def _label(row: Mapping[str, Any]) -> str:
-    """`cft\\nτ=0.9`, or the bare system name when it has no threshold."""
-    return str(row["system"]) if row.get("tau") is None else f"{row['system']}\nτ={row['tau']:g}"
+    """`cft\\nτ=0.9` (`w4` for a decoding window), or the bare system name when it has no threshold."""
+    if row.get("tau") is None:
+        return str(row["system"])
+    window = "" if row.get("window") is None else f" w{row['window']}"
+    return f"{row['system']}\nτ={row['tau']:g}{window}"
 
 
 def _color(system: str) -> str:

@@ -15,9 +15,10 @@ JSON) and decode with block size 1 whatever their config says.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import pandas as pd
 import torch
@@ -26,7 +27,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from diffusion_gr2.core.decode.decoder import DecodeConfig, DecodeOutput, decode
 from diffusion_gr2.core.decode.grammar import AnswerGrammar, answer_grammars
-from diffusion_gr2.core.rank.metrics import METRICS, paired_bootstrap, stage_metrics_rows, user_values
+from diffusion_gr2.core.rank.metrics import METRICS, paired_bootstrap, system_metrics, user_values
 from diffusion_gr2.core.text.parser import OK, apply_fallback, parse_answer
 from diffusion_gr2.core.text.tokenizer import IM_END, decode_response
 
@@ -61,8 +62,10 @@ SYSTEMS = ("prerank", "ar_sft", "ar_rl", "naive", "cft", "opd", "rl")  # DESIGN 
 AR_SYSTEMS = ("ar_sft", "ar_rl")
 DIFFUSION_SYSTEMS = ("naive", "cft", "opd", "rl")
 RANKING_COLUMNS = (
+    "split",
     "system",
     "tau",
+    "window",
     "user_id",
     "target",
     "prerank",
@@ -107,19 +110,31 @@ def _eos_ids(tokenizer: PreTrainedTokenizerBase) -> tuple[int, ...]:
 
 
 def decode_config_for(
-    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, tau: float | None, config: RerankConfig
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    tau: float | None,
+    config: RerankConfig,
+    *,
+    window: int | None = None,
+    do_sample: bool = False,
+    temperature: float = 1.0,
+    seed: int = 0,
 ) -> DecodeConfig:
-    """Greedy `DecodeConfig` for `model`: block size and mask id from its config, eos/pad from the tokenizer.
+    """The one `DecodeConfig` builder: inference, the benchmark, serving and RL/OPD rollouts.
 
-    `tau=None` means an AR system: block size 1. Otherwise the model must be a converted
-    block-diffusion model (`config.block_size`, set by conversion).
+    Block size and mask id come from the model's config, eos/pad from the tokenizer, the rest from
+    `config`; rollouts add sampling (`do_sample`, `temperature`, `seed`). `tau=None` means an AR
+    system: block size 1. Otherwise the model must be a converted block-diffusion model
+    (`config.block_size`, set by conversion).
     """
     block_size, mask_id, threshold = 1, None, DecodeConfig.threshold
     if tau is not None:
         block_size = getattr(model.config, "block_size", None)
         if block_size is None:
             raise ValueError("tau given but the model has no config.block_size: not a block-diffusion model")
-        mask_id = getattr(model.config, "mask_token_id", None) or tokenizer.mask_token_id
+        mask_id = getattr(model.config, "mask_token_id", None)
+        if mask_id is None:
+            raise ValueError("a block-diffusion model needs config.mask_token_id (set by conversion)")
         threshold = float(tau)
     return DecodeConfig(
         block_size=int(block_size),
@@ -131,6 +146,10 @@ def decode_config_for(
         mask_token_id=mask_id,
         pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0,
         batch_size=config.batch_size,
+        window=window if block_size > 1 else None,
+        do_sample=do_sample,
+        temperature=temperature,
+        seed=seed,
     )
 
 
@@ -185,6 +204,8 @@ def ranking_rows(
     tokenizer: PreTrainedTokenizerBase,
     system: str,
     tau: float | None,
+    window: int | None = None,
+    split: str = "test",
 ) -> pd.DataFrame:
     """Parse each output against its request's candidate SIDs; rows in `RANKING_COLUMNS` order.
 
@@ -201,8 +222,10 @@ def ranking_rows(
         item_of = dict(zip(sids, items, strict=True))
         rows.append(
             {
+                "split": split,
                 "system": system,
                 "tau": _tau_value(tau),
+                "window": _tau_value(window),
                 "user_id": int(req.user_id),
                 "target": int(req.target),
                 "prerank": items,
@@ -231,14 +254,23 @@ def rerank(
     system: str,
     tau: float | None,
     grammars: Sequence[AnswerGrammar] | None = None,
+    split: str = "test",
 ) -> pd.DataFrame:
     """Re-rank every request with `model`: one `RANKING_COLUMNS` row per request, in request order.
 
-    `grammars` (`request_grammars(tokenizer, requests)`) constrain each answer; never mutated.
+    `grammars` (`request_grammars(tokenizer, requests)`) constrain each answer; never mutated. The
+    frame's `attrs["decode_s"]` is the wall time of the decoding (the operating point's speed figure).
     """
     label = system if tau is None else f"{system} tau={tau}"
-    outputs = decode_requests(model, list(requests["prompt_ids"]), config, desc=label, grammars=grammars)
-    rows = ranking_rows(requests, outputs, tokenizer, system, tau)
+    if config.window is not None:
+        label += f" window={config.window}"
+    start = time.perf_counter()
+    outputs = decode_requests(
+        model, list(requests["prompt_ids"]), config, desc=f"{split} {label}", grammars=grammars
+    )
+    elapsed = time.perf_counter() - start
+    rows = ranking_rows(requests, outputs, tokenizer, system, tau, config.window, split)
+    rows.attrs["decode_s"] = elapsed
     unforced = _unforced(rows)
     logger.info(
         "%s: %d requests, valid %.1f%% (%.1f%% without a grammar correction), %.1f output tokens "
@@ -258,28 +290,44 @@ def rerank_system(
     requests: pd.DataFrame,
     tokenizer: PreTrainedTokenizerBase,
     system: str,
-    taus: Sequence[float],
+    settings: Sequence[tuple[float | None, int | None]],
     config: RerankConfig,
-) -> pd.DataFrame:
-    """All rows of one system: once for an AR system (no tau), once per tau for a diffusion system."""
-    grid: list[float | None] = [None] if system in AR_SYSTEMS else [float(t) for t in taus]
+    split: str = "test",
+) -> tuple[pd.DataFrame, list[dict[str, Any]]]:
+    """All rows of one system on one split, one pass per (tau, window) setting, and each pass's speed.
+
+    An AR system decodes once (no tau, no window) whatever `settings` holds. The speed rows hold
+    `tau`, `window`, `split`, `tokens_per_s` (output tokens over the pass's wall time) and `recall@1`.
+    """
+    grid = [(None, None)] if system in AR_SYSTEMS else [(float(t), w) for t, w in settings]
     # Built once (a large vocabulary takes a while to tabulate); decoding only ever advances copies.
     grammars = request_grammars(tokenizer, requests) if config.constrained else None
-    frames = [
-        rerank(
-            model, requests, tokenizer, decode_config_for(model, tokenizer, t, config), system, t, grammars
+    frames, speeds = [], []
+    for tau, window in grid:
+        cfg = decode_config_for(model, tokenizer, tau, config, window=window)
+        rows = rerank(model, requests, tokenizer, cfg, system, tau, grammars, split)
+        speeds.append(
+            {
+                "tau": tau,
+                "window": window,
+                "split": split,
+                "n": len(rows),
+                "tokens_per_s": float(rows["output_tokens"].sum()) / max(rows.attrs["decode_s"], 1e-9),
+                "tokens_per_forward": float(rows["output_tokens"].sum()) / max(int(rows["nfe"].sum()), 1),
+                "recall@1": float(user_values(rows)["recall@1"].mean()) if len(rows) else float("nan"),
+                "unforced_rate": float(_unforced(rows).mean()) if len(rows) else float("nan"),
+            }
         )
-        for t in grid
-    ]
-    return pd.concat(frames, ignore_index=True)
+        frames.append(rows)
+    return pd.concat(frames, ignore_index=True), speeds
 
 
 def rankings_summary(rankings: pd.DataFrame) -> dict[str, dict[str, float]]:
     """Per (system, tau): valid rate, mean output tokens, mean forwards, tokens per forward (for MLflow)."""
     out = {}
-    for system, tau, rows in _groups(rankings):
+    for key, rows in _groups(rankings):
         nfe = int(rows["nfe"].sum())
-        out[system_key(system, tau)] = {
+        out[system_key(*key)] = {
             "valid_rate": float(rows["valid"].mean()),
             "unforced_rate": float(_unforced(rows).mean()),
             "mean_output_tokens": float(rows["output_tokens"].mean()),
@@ -289,13 +337,15 @@ def rankings_summary(rankings: pd.DataFrame) -> dict[str, dict[str, float]]:
     return out
 
 
-def prerank_rows(requests: pd.DataFrame) -> pd.DataFrame:
+def prerank_rows(requests: pd.DataFrame, split: str = "test") -> pd.DataFrame:
     """The `prerank` system: the retriever's order served as is (valid, no tokens, no forwards)."""
     prerank = [[int(i) for i in c] for c in requests["candidates"]]
     return pd.DataFrame(
         {
+            "split": split,
             "system": "prerank",
             "tau": float("nan"),
+            "window": float("nan"),
             "user_id": requests["user_id"].astype("int64").to_numpy(),
             "target": requests["target"].astype("int64").to_numpy(),
             "prerank": prerank,
@@ -325,20 +375,49 @@ class EvaluationConfig:
 
 
 def stage_metrics(rankings: pd.DataFrame, n_boot: int = 1000, seed: int = 0) -> list[dict[str, Any]]:
-    """`stage_metrics.json` rows (DESIGN §10) per (system, tau) of `rankings`, tau None for AR systems."""
-    return stage_metrics_rows(rankings.assign(tau=rankings["tau"].astype("float64")), n_boot, seed)
+    """`stage_metrics.json` rows (DESIGN §10) per (split, system, tau, window) of `rankings`.
+
+    tau is None for AR systems, window None for the whole block (and for AR systems).
+    """
+    rows = []
+    for key, group in _groups(rankings):
+        rows.append(key._asdict() | system_metrics(group, n_boot, seed))
+    return rows
 
 
-def system_key(system: str, tau: float | None) -> str:
-    """Name of one (system, tau) in metric names: `cft.tau0.9`, or `ar_rl` without a threshold."""
-    return system if tau is None else f"{system}.tau{float(tau)}"
+class Variant(NamedTuple):
+    """What one group of ranking rows is: a system decoded one way on one split."""
+
+    system: str
+    tau: float | None
+    window: int | None
+    split: str
 
 
-def _groups(rankings: pd.DataFrame) -> list[tuple[str, float | None, pd.DataFrame]]:
-    """(system, tau, rows) per (system, tau) of `rankings`, in frame order; tau None for AR systems."""
-    frame = rankings.assign(tau=rankings["tau"].astype("float64"))
-    groups = frame.groupby(["system", "tau"], sort=False, dropna=False)
-    return [(str(s), None if pd.isna(t) else float(t), g) for (s, t), g in groups]
+def system_key(system: str, tau: float | None, window: int | None = None, split: str | None = None) -> str:
+    """Name of one variant in metric names: `test.cft.tau0.9.w4`, or `ar_rl` without a threshold."""
+    key = system if tau is None else f"{system}.tau{float(tau)}"
+    key += "" if window is None else f".w{int(window)}"
+    return key if split is None else f"{split}.{key}"
+
+
+def _optional(value: Any) -> float | None:
+    return None if pd.isna(value) else float(value)
+
+
+def _groups(rankings: pd.DataFrame) -> list[tuple[Variant, pd.DataFrame]]:
+    """(variant, rows) per (split, system, tau, window) of `rankings`, in frame order."""
+    frame = rankings.assign(
+        tau=rankings["tau"].astype("float64"),
+        window=rankings["window"].astype("float64") if "window" in rankings else float("nan"),
+        split=rankings.get("split", "test"),
+    )
+    groups = frame.groupby(["split", "system", "tau", "window"], sort=False, dropna=False)
+    out = []
+    for (split, system, tau, window), g in groups:
+        w = _optional(window)
+        out.append((Variant(str(system), _optional(tau), None if w is None else int(w), str(split)), g))
+    return out
 
 
 def _aligned_values(a: pd.DataFrame, b: pd.DataFrame, metric: str) -> tuple[Any, Any]:
@@ -361,17 +440,18 @@ def _paired_rows(a: pd.DataFrame, b: pd.DataFrame, config: EvaluationConfig) -> 
 
 
 def compare_systems(rankings: pd.DataFrame, config: EvaluationConfig) -> list[dict[str, Any]]:
-    """Paired bootstrap of every (system, tau) against each baseline present, on the shared users.
+    """Paired bootstrap of every variant against each baseline present on the same split and users.
 
-    Rows: `system, tau, baseline, baseline_tau, metric, n, mean_diff, low, high, p_value`, where
-    `mean_diff` = system - baseline. Pairing by user cancels the per-user difficulty both share.
+    Rows: `split, system, tau, window, baseline, baseline_tau, metric, n, mean_diff, low, high,
+    p_value`, where `mean_diff` = system - baseline. Pairing by user cancels the per-user difficulty
+    both share.
     """
     groups = _groups(rankings)
     rows: list[dict[str, Any]] = []
     for base in config.baselines:
-        for _, b_tau, b_rows in (g for g in groups if g[0] == base):
-            for system, tau, a_rows in (g for g in groups if g[0] != base):
-                head = {"system": system, "tau": tau, "baseline": base, "baseline_tau": b_tau}
+        for b_key, b_rows in (g for g in groups if g[0].system == base):
+            for key, a_rows in (g for g in groups if g[0].system != base and g[0].split == b_key.split):
+                head = key._asdict() | {"baseline": base, "baseline_tau": b_key.tau}
                 rows += [head | r for r in _paired_rows(a_rows, b_rows, config)]
     return rows
 
@@ -383,16 +463,20 @@ def eval_metrics(
 
     Intervals are left out (they are in `stage_metrics.json`); a comparison logs its mean difference.
     """
-    out: dict[str, Any] = {
-        system_key(row["system"], row["tau"]): {k: row[k] for k in ("n", *METRICS)} for row in stage_rows
-    }
+    out: dict[str, Any] = {_row_key(row): {k: row[k] for k in ("n", *METRICS)} for row in stage_rows}
     cmp: dict[str, dict[str, dict[str, float]]] = {}
     for c in comparisons:
-        per_base = cmp.setdefault(system_key(c["system"], c["tau"]), {})
+        per_base = cmp.setdefault(_row_key(c), {})
         per_base.setdefault(f"vs_{system_key(c['baseline'], c['baseline_tau'])}", {})[c["metric"]] = c[
             "mean_diff"
         ]
     return out | ({"cmp": cmp} if cmp else {})
+
+
+def _row_key(row: Mapping[str, Any]) -> str:
+    """Metric-name key of a row; test (the reported split) keeps the plain `cft.tau0.9` names."""
+    split = row.get("split", "test")
+    return system_key(row["system"], row["tau"], row.get("window"), None if split == "test" else split)
 
 
 def _cell(row: Mapping[str, Any], metric: str) -> str:
@@ -403,14 +487,17 @@ def _cell(row: Mapping[str, Any], metric: str) -> str:
 
 def metrics_markdown(stage_rows: Sequence[Mapping[str, Any]]) -> str:
     """A readable markdown table of `stage_metrics.json` rows (95% bootstrap intervals in brackets)."""
-    head = ["system", "tau", "n", *METRICS]
+    head = ["split", "system", "tau", "window", "n", *METRICS]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in stage_rows:
         tau = "—" if row["tau"] is None else f"{row['tau']:g}"
-        cells = [str(row["system"]), tau, str(row["n"]), *(_cell(row, m) for m in METRICS)]
+        window = "—" if row.get("window") is None else str(row["window"])
+        cells = [str(row.get("split", "test")), str(row["system"]), tau, window, str(row["n"])]
+        cells += [_cell(row, m) for m in METRICS]
         lines.append("| " + " | ".join(cells) + " |")
     note = (
-        "\nMetrics with 95% bootstrap intervals over users; tau — = autoregressive (no threshold).\n"
+        "\nMetrics with 95% bootstrap intervals over users; tau — = autoregressive (no threshold); "
+        "window — = the whole block fed at every step. Choices are made on `valid`, `test` is reported.\n"
         "valid_rate: served answers that are valid rankings (the rest fall back to the pre-rank); "
         "unforced_rate: valid answers the decoding grammar never corrected, i.e. the model's own "
         "valid-output rate (equal to valid_rate when decoding is unconstrained).\n"

@@ -21,6 +21,7 @@ from diffusion_gr2.core.decode.decoder import DecodeConfig, DecodeOutput, decode
 from diffusion_gr2.core.decode.grammar import AnswerGrammar, allowed_masks, answer_grammars
 from diffusion_gr2.core.decode.replay import replay_batch_logits
 from diffusion_gr2.core.model.diffusion import response_logits
+from diffusion_gr2.core.rank.rerank import RerankConfig, decode_config_for
 from diffusion_gr2.core.rank.rewards import ranking_reward
 from diffusion_gr2.core.text.parser import parse_answer
 from diffusion_gr2.core.text.tokenizer import IM_END, decode_response
@@ -209,18 +210,14 @@ def policy_block_size(model: PreTrainedModel) -> int:
 def rollout_decode_config(
     model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, config: RolloutConfig, seed: int
 ) -> DecodeConfig:
-    return DecodeConfig(
-        block_size=policy_block_size(model),
-        threshold=config.threshold,
-        commit_rule=config.commit_rule,
-        max_new_tokens=config.max_new_tokens,
-        do_sample=True,
-        temperature=config.temperature,
-        eos_token_ids=(tokenizer.convert_tokens_to_ids("<|im_end|>"),),
-        mask_token_id=tokenizer.mask_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        batch_size=64,
-        seed=seed,
+    """Rollouts decode as inference does (the one builder), sampled, 64 rows at a time."""
+    block_size = policy_block_size(model)
+    decoding = RerankConfig(
+        max_new_tokens=config.max_new_tokens, batch_size=64, commit_rule=config.commit_rule
+    )
+    tau = config.threshold if block_size > 1 else None
+    return decode_config_for(
+        model, tokenizer, tau, decoding, do_sample=True, temperature=config.temperature, seed=seed
     )
 
 
@@ -333,6 +330,7 @@ def rl_batches(
             config.temperature,
             recorded,
             rollout_metrics(rollouts),
+            grpo.recompute_old_logprobs,
         )
 
     return reuse_batches(sample_round, grpo, grad_accum, num_processes, config.seed)

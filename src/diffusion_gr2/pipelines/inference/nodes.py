@@ -1,14 +1,27 @@
-"""inference nodes: every system re-ranks the test requests; one rankings frame (DESIGN §8, §10)."""
+"""inference nodes: every system re-ranks the validation and test requests (DESIGN §8, §10).
+
+Diffusion systems decode validation once per candidate (tau, window) and take the fastest whose
+R@1 as served is within the budget of `ar_rl` on the same requests as their operating point; test is
+decoded at every tau of the sweep and at that operating point, never used to choose.
+"""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
 
 import pandas as pd
 from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
+from diffusion_gr2.core.rank.metrics import user_values
+from diffusion_gr2.core.rank.operating_point import (
+    OperatingPointError,
+    choose_operating_point,
+    refused_operating_point,
+)
 from diffusion_gr2.core.rank.rerank import (
+    AR_SYSTEMS,
     RerankConfig,
     prepare_model,
     prerank_rows,
@@ -18,38 +31,123 @@ from diffusion_gr2.core.rank.rerank import (
 )
 from diffusion_gr2.core.tracking.mlflow_utils import as_metrics_history
 
+logger = logging.getLogger(__name__)
+Setting = tuple[float | None, int | None]
 
-def _test_requests(requests: pd.DataFrame, params: dict[str, Any]) -> pd.DataFrame:
-    return select_requests(requests, params["split"], params["max_users"])
+
+def _split_requests(requests: pd.DataFrame, params: dict[str, Any], split: str) -> pd.DataFrame:
+    return select_requests(requests, split, params["max_users"])
 
 
 def rerank_prerank(requests: pd.DataFrame, params: dict[str, Any]) -> pd.DataFrame:
-    """The retriever's order served as is: the floor every model must beat."""
-    return prerank_rows(_test_requests(requests, params))
+    """The retriever's order served as is, on every split: the floor every model must beat."""
+    frames = [prerank_rows(_split_requests(requests, params, s), s) for s in params["splits"]]
+    return pd.concat(frames, ignore_index=True)
 
 
-def make_rerank_node(system: str) -> Callable[..., pd.DataFrame]:
-    """The node function of one model system (named `rerank_<system>` for the DAG and the logs)."""
+def _sweep(params: dict[str, Any]) -> list[Setting]:
+    return [(float(t), None) for t in params["taus"]]
+
+
+def _candidates(params: dict[str, Any]) -> list[Setting]:
+    point = params["operating_point"]
+    return [(float(t), None if w is None else int(w)) for t in point["taus"] for w in point["windows"]]
+
+
+def _recall(rows: pd.DataFrame) -> float:
+    return float(user_values(rows)["recall@1"].mean())
+
+
+def make_rerank_node(system: str) -> Callable[..., pd.DataFrame | dict[str, Any]]:
+    """The node function of one model system (named `rerank_<system>` for the DAG and the logs).
+
+    An AR system's node returns its rankings frame; a diffusion system's a dict of its rankings and
+    its operating point (None when it is not chosen for that system), with `reference` the
+    rankings of `operating_point.reference` (`ar_rl`).
+    """
 
     def rerank_model(
         model: PreTrainedModel,
         requests: pd.DataFrame,
         tokenizer: PreTrainedTokenizerFast,
         params: dict[str, Any],
-    ) -> pd.DataFrame:
+        reference: pd.DataFrame | None = None,
+    ) -> pd.DataFrame | dict[str, Any]:
         config = RerankConfig(**params["decoding"])
         model = prepare_model(model, config.device)
-        return rerank_system(
-            model, _test_requests(requests, params), tokenizer, system, params["taus"], config
-        )
+        chooses = system in params["operating_point"]["systems"] and system not in AR_SYSTEMS
+        frames, point = [], None
+        if "valid" in params["splits"]:
+            valid = _split_requests(requests, params, "valid")
+            settings = _candidates(params) if chooses else _sweep(params)
+            rows, speeds = rerank_system(model, valid, tokenizer, system, settings, config, "valid")
+            frames.append(rows)
+            if chooses:
+                point = _operating_point(system, speeds, reference, params["operating_point"])
+        if "test" in params["splits"]:
+            test = _split_requests(requests, params, "test")
+            settings = _sweep(params)
+            if (
+                point is not None
+                and point["tau"] is not None
+                and (point["tau"], point["window"]) not in settings
+            ):
+                settings.append((point["tau"], point["window"]))  # the operating point as served
+            frames.append(rerank_system(model, test, tokenizer, system, settings, config, "test")[0])
+        rankings = pd.concat(frames, ignore_index=True)
+        return rankings if system in AR_SYSTEMS else {"rankings": rankings, "operating_point": point}
 
     rerank_model.__name__ = rerank_model.__qualname__ = f"rerank_{system}"
-    rerank_model.__doc__ = f"Re-rank the test requests with `{system}` (each tau for a diffusion model)."
+    rerank_model.__doc__ = f"Re-rank the validation and test requests with `{system}`."
     return rerank_model
 
 
-def combine_rankings(*frames: pd.DataFrame) -> dict[str, Any]:
-    """All systems' rows in one frame, plus per-system decoding figures for MLflow."""
+def _operating_point(
+    system: str, speeds: list[dict[str, Any]], reference: pd.DataFrame | None, params: dict[str, Any]
+) -> dict[str, Any]:
+    """Choose `system`'s (tau, window) on validation against the reference's R@1 there, or say why not."""
+    budget, name = float(params["budget"]), params["reference"]
+    ref_rows = None if reference is None else reference[reference["split"] == "valid"]
+    if ref_rows is None or ref_rows.empty:
+        reason = f"no validation rankings of the reference {name!r} to compare with"
+        logger.warning("%s: %s", system, reason)
+        return refused_operating_point(speeds, float("nan"), budget, reason, name)
+    ref_recall = _recall(ref_rows)
+    try:
+        point = choose_operating_point(speeds, ref_recall, budget, name)
+    except OperatingPointError as err:
+        logger.warning("%s has no operating point: %s", system, err)
+        return refused_operating_point(speeds, ref_recall, budget, str(err), name)
+    logger.info(
+        "%s operating point (validation): tau %s, window %s -- R@1 %.3f vs %s %.3f, %.0f tokens/s",
+        system,
+        point["tau"],
+        point["window"],
+        point["chosen"]["recall@1"],
+        name,
+        ref_recall,
+        point["chosen"]["tokens_per_s"],
+    )
+    return point
+
+
+def combine_rankings(*results: pd.DataFrame | dict[str, Any]) -> dict[str, Any]:
+    """All systems' rows in one frame, the operating points, and per-variant decoding figures for MLflow."""
+    frames, points = [], {}
+    for result in results:
+        if isinstance(result, dict):
+            frame = result["rankings"]
+            if result["operating_point"] is not None:
+                points[str(frame["system"].iloc[0])] = result["operating_point"]
+        else:
+            frame = result
+        frames.append(frame)
     # AR systems have no tau (all NaN): one float dtype everywhere keeps the concatenation well defined.
-    rankings = pd.concat([f.astype({"tau": "float64"}) for f in frames], ignore_index=True)
-    return {"rankings": rankings, "inference_metrics": as_metrics_history(rankings_summary(rankings))}
+    rankings = pd.concat(
+        [f.astype({"tau": "float64", "window": "float64"}) for f in frames], ignore_index=True
+    )
+    return {
+        "rankings": rankings,
+        "operating_point": points,
+        "inference_metrics": as_metrics_history(rankings_summary(rankings)),
+    }

@@ -1,7 +1,8 @@
-"""inference: every system (and every tau of a diffusion system) re-ranks the test requests.
+"""inference: every system re-ranks the validation and test requests; diffusion systems per tau.
 
 One node per system, so `create_pipeline(systems=...)` can leave out systems whose model is not
-trained yet (Kedro parameters are not available when pipelines are built).
+trained yet (Kedro parameters are not available when pipelines are built). Diffusion systems read
+the reference's (`ar_rl`) rankings to choose their operating point on validation.
 """
 
 from __future__ import annotations
@@ -10,24 +11,27 @@ from collections.abc import Sequence
 
 from kedro.pipeline import Node, Pipeline
 
-from diffusion_gr2.core.rank.rerank import SYSTEMS
+from diffusion_gr2.core.rank.rerank import AR_SYSTEMS, SYSTEMS
 
 from .nodes import combine_rankings, make_rerank_node, rerank_prerank
 
 __all__ = ["SYSTEMS", "create_pipeline"]
 
+REFERENCE = "ar_rl"  # operating points are chosen against this system's validation R@1
 
-def _system_node(system: str) -> Node:
+
+def _output(system: str) -> str:
+    """AR systems (and the pre-rank) give a rankings frame; diffusion systems rankings + operating point."""
+    return f"rankings_{system}" if system == "prerank" or system in AR_SYSTEMS else f"reranked_{system}"
+
+
+def _system_node(system: str, systems: Sequence[str]) -> Node:
     if system == "prerank":
-        return Node(
-            rerank_prerank, ["requests", "params:inference"], "rankings_prerank", name="rerank_prerank"
-        )
-    return Node(
-        make_rerank_node(system),
-        inputs=[f"model_{system}", "requests", "tokenizer", "params:inference"],
-        outputs=f"rankings_{system}",
-        name=f"rerank_{system}",
-    )
+        return Node(rerank_prerank, ["requests", "params:inference"], _output(system), name="rerank_prerank")
+    inputs = [f"model_{system}", "requests", "tokenizer", "params:inference"]
+    if system not in AR_SYSTEMS and REFERENCE in systems:
+        inputs.append(f"rankings_{REFERENCE}")
+    return Node(make_rerank_node(system), inputs=inputs, outputs=_output(system), name=f"rerank_{system}")
 
 
 def create_pipeline(systems: Sequence[str] = SYSTEMS, **kwargs) -> Pipeline:
@@ -37,8 +41,12 @@ def create_pipeline(systems: Sequence[str] = SYSTEMS, **kwargs) -> Pipeline:
     ordered = [s for s in SYSTEMS if s in systems]  # report order, whatever order was asked
     combine = Node(
         combine_rankings,
-        inputs=[f"rankings_{s}" for s in ordered],
-        outputs={"rankings": "rankings", "inference_metrics": "inference_metrics"},
+        inputs=[_output(s) for s in ordered],
+        outputs={
+            "rankings": "rankings",
+            "operating_point": "operating_point",
+            "inference_metrics": "inference_metrics",
+        },
         name="combine_rankings",
     )
-    return Pipeline([*(_system_node(s) for s in ordered), combine])
+    return Pipeline([*(_system_node(s, ordered) for s in ordered), combine])
