@@ -60,7 +60,11 @@ def choose_operating_point(
 
 
 def refused_operating_point(
-    candidates: Sequence[Mapping[str, Any]], reference_recall: float, budget: float, reason: str, reference: str
+    candidates: Sequence[Mapping[str, Any]],
+    reference_recall: float,
+    budget: float,
+    reason: str,
+    reference: str,
 ) -> dict[str, Any]:
     """The record of a system that has no operating point (kept so the report can say why)."""
     nan = math.nan
