@@ -61,11 +61,19 @@ def evaluation_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
 @pytest.mark.slow
 def test_rankings_hold_every_system_and_tau(evaluation_run: Path) -> None:
     rankings = pd.read_parquet(evaluation_run / "data/07_model_output/rankings.parquet")
-    expected = [(s, None) for s in ("prerank", *AR_SYSTEMS)] + [
-        (s, t) for s in DIFFUSION_SYSTEMS for t in SMOKE_TAUS
+    points = json.loads((evaluation_run / "data/08_reporting/operating_point.json").read_text())
+    assert set(points) == {"rl"}  # smoke: operating_point.systems [rl]
+    chosen = (points["rl"]["tau"], points["rl"]["window"])
+    assert chosen in {(0.9, None), (0.9, 4)} and points["rl"]["split"] == "valid"
+    assert len(points["rl"]["candidates"]) == 2  # smoke: taus [0.9] x windows [null, 4]
+    sweep = [(s, None, None) for s in ("prerank", *AR_SYSTEMS)] + [
+        (s, t, None) for s in DIFFUSION_SYSTEMS for t in SMOKE_TAUS
     ]
-    groups = rankings.groupby(["system", "tau"], sort=False, dropna=False).size()
-    assert [(s, None if pd.isna(t) else t) for s, t in groups.index] == expected
+    expected = [("valid", *v) for v in sweep] + [("valid", "rl", 0.9, 4)]  # the operating-point grid
+    expected += [("test", *v) for v in sweep] + ([("test", "rl", *chosen)] if chosen[1] else [])
+    groups = rankings.groupby(["split", "system", "tau", "window"], sort=False, dropna=False).size()
+    got = [(sp, s, None if pd.isna(t) else t, None if pd.isna(w) else int(w)) for sp, s, t, w in groups.index]
+    assert sorted(got, key=str) == sorted(expected, key=str)
     assert (groups == SMOKE_USERS).all()
     assert sorted(rankings["user_id"].unique()) == list(range(SMOKE_USERS))  # the first users by id
     assert (rankings["output_tokens"] <= 160).all()
@@ -76,8 +84,8 @@ def test_rankings_hold_every_system_and_tau(evaluation_run: Path) -> None:
 @pytest.mark.slow
 def test_stage_metrics_file_is_recomputable_from_rankings(evaluation_run: Path) -> None:
     rows = json.loads((evaluation_run / "data/08_reporting/stage_metrics.json").read_text())
-    assert all(list(r) == ["system", "tau", "n", *METRICS, "ci"] for r in rows)
-    assert [r["system"] for r in rows] == list(SYSTEMS)
+    assert all(list(r) == ["system", "tau", "window", "split", "n", *METRICS, "ci"] for r in rows)
+    assert [r["system"] for r in rows if r["split"] == "test" and r["window"] is None] == list(SYSTEMS)
     rankings = pd.read_parquet(evaluation_run / "data/07_model_output/rankings.parquet")
     assert stage_metrics(rankings, n_boot=200, seed=0) == rows  # smoke: 200 resamples, seed 0
     comparisons = json.loads((evaluation_run / "data/08_reporting/comparisons.json").read_text())
