@@ -1,11 +1,23 @@
 """One decoder for AR (block size 1) and block diffusion (block size k) -- DESIGN §8.
 
-Fast-dLLM v2 style: the prompt is prefilled once; its last logit gives the first response token.
-Per block: the canvas `[first token, MASK x (k-1)]` is run against the cached prefix, one forward per
-step; each step commits masked positions by the commit rule (below); after `max_steps_per_block` steps
-the rest is filled. The finished block is run once more to write its keys/values (the cache only ever
-holds clean blocks, so it is exact) and its last logit gives the next block's first token. Block size 1
-is plain greedy/sampled AR decoding with a KV cache, one forward per token.
+Fast-dLLM v2 style with an exact KV cache that only ever holds clean tokens (the prompt and finished
+blocks). Every forward is `[clean tokens not cached yet | canvas of the current block]`
+(`_CachedRunner.forward`): the clean part's keys/values enter the cache, its last logit gives the
+block's first token, and the canvas's logits (token shift: position i-1 predicts token i) give the
+rest; the canvas's keys/values are dropped again. Each forward commits masked positions by the commit
+rule (below); after `max_steps_per_block` forwards the rest is filled.
+
+* `fused` (default): a finished block rides along in the next block's first forward, so a block
+  costs no forward of its own; that canvas is all masks (its first token is being computed in the
+  same forward), which CFT trains on (`losses.cft_noise` masks a block's first position too). The
+  prompt rides with block 0 the same way. `fused=False` runs each finished block alone first (one
+  extra forward per block), then denoises with the first token known.
+* `window` (None = the whole block): each row feeds only its canvas up to its leftmost masked position
+  plus `window` masked positions; the others are not computed at all (what the `prefix` rule can
+  reach in one forward is what matters). A row's unfed positions are keys nobody attends to, so rows
+  never depend on their batch neighbours. The step cap feeds the whole block.
+
+Block size 1 is plain greedy/sampled AR decoding with a KV cache, one forward per token.
 
 Commit rules (`DecodeConfig.commit_rule`), each step, among the block's masked positions:
 * `confident` (Fast-dLLM v2): every position above tau, plus the most confident one.
@@ -27,7 +39,9 @@ rule: only there is every committed token's left context committed, which is wha
 
 Batching: prompts are left-padded (with matching position ids and masks) and all rows of a batch
 decode the same block together; a row that finished its block waits (it is neither changed nor
-charged a forward), and rows that reached the end of output leave the batch.
+charged a forward, though its canvas is still computed), and rows that reached the end of output
+leave the batch. `commit_steps` record the forward of its block that committed each token (0 =
+before the block's first forward, only with `fused=False`; `replay.py` rebuilds every canvas from it).
 """
 
 from __future__ import annotations
