@@ -44,7 +44,7 @@ def test_system_metrics_by_hand() -> None:
     assert M.system_metrics(pd.DataFrame(ROWS), n_boot=200, seed=1) == out  # frame or rows, same result
 
 
-def test_grammar_corrected_answers_count_as_unforced_failures_and_free_fallbacks() -> None:
+def test_grammar_corrected_answers_count_as_unforced_failures_and_unforced_fallbacks() -> None:
     # Served by a constrained decoder: all valid; the second and third were corrected by the grammar.
     rows = [
         {"target": 11, "ranking": [11, 10, 12], "prerank": [10, 11, 12], "valid": True, "forced": 0},
@@ -55,10 +55,10 @@ def test_grammar_corrected_answers_count_as_unforced_failures_and_free_fallbacks
     assert out["valid_rate"] == 1.0 and out["fallback_rate"] == 0.0
     assert out["unforced_rate"] == pytest.approx(1 / 3)
     assert out["recall@1"] == pytest.approx(2 / 3)  # rows 1 and 3, as served
-    # Without the grammar rows 2 and 3 fall back to the pre-rank: rows 1 (model) and 2 (pre-rank) hit.
-    assert out["recall@1_free"] == pytest.approx(2 / 3)
+    # Serving only unforced answers, rows 2 and 3 get the pre-rank: rows 1 (model) and 2 (pre-rank) hit.
+    assert out["recall@1_unforced"] == pytest.approx(2 / 3)
     rows[1]["target"] = 11  # now the pre-rank misses row 2 as well
-    assert M.system_metrics(rows, n_boot=10)["recall@1_free"] == pytest.approx(1 / 3)
+    assert M.system_metrics(rows, n_boot=10)["recall@1_unforced"] == pytest.approx(1 / 3)
     unconstrained = [dict(r, forced=0) for r in rows[:1]]  # no `forced` -> free decoding: rates agree
     assert M.system_metrics(unconstrained, n_boot=10)["unforced_rate"] == 1.0
 

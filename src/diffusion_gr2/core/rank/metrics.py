@@ -41,7 +41,7 @@ METRICS = (
     "valid_rate",
     "unforced_rate",
     "fallback_rate",
-    "recall@1_free",
+    "recall@1_unforced",
 )
 _CHUNK_ELEMENTS = 4_000_000  # bootstrap/catalog work is chunked to bound memory (~32 MB of float64)
 
@@ -98,15 +98,18 @@ def user_values(frame: pd.DataFrame | Iterable[Mapping[str, Any]]) -> dict[str, 
     ranked by its ``prerank`` when present. ``unforced_rate`` is the share of valid rows that a
     decoding constraint never corrected (``forced`` = 0, the default when the column is absent): the
     model's own valid-output rate, which equals ``valid_rate`` for unconstrained decoding.
-    ``recall@1_free`` is the R@1 of serving without the grammar: a corrected answer is one that free
-    decoding gets wrong (the grammar only ever steps in where the model leaves the answer format), so
-    it is served the pre-rank instead; this is exactly what unconstrained decoding + fallback scores.
+    ``recall@1_unforced`` is the R@1 of serving the model's answer only where the grammar corrected
+    nothing and the pre-rank everywhere else (one constrained pass, a second serving policy). It is
+    not free decoding's R@1: the grammar is stricter than the parser (key order, spacing, escapes), so
+    an answer it corrected may still have parsed, and free decoding would serve that ranking, better or
+    worse than the pre-rank. On every other row the two policies agree (an unforced answer is token
+    for token the free one; an answer the parser rejects falls back either way).
     """
     rows = _rows(frame)
     ranks = np.array([target_rank(_final_ranking(r), r["target"]) for r in rows], dtype=np.int64)
     valid = np.array([bool(r["valid"]) for r in rows], dtype=np.float64)
     unforced = np.array([bool(r["valid"]) and not r.get("forced", 0) for r in rows], dtype=np.float64)
-    free_ranks = np.array(
+    unforced_ranks = np.array(
         [
             rank if ok else target_rank(r.get("prerank"), r["target"])
             for rank, ok, r in zip(ranks, unforced, rows, strict=True)
@@ -123,7 +126,7 @@ def user_values(frame: pd.DataFrame | Iterable[Mapping[str, Any]]) -> dict[str, 
         "valid_rate": valid,
         "unforced_rate": unforced,
         "fallback_rate": 1.0 - valid,
-        "recall@1_free": recall_at_k(free_ranks, 1),
+        "recall@1_unforced": recall_at_k(unforced_ranks, 1),
     }
 
 
