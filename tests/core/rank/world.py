@@ -11,10 +11,18 @@ from diffusion_gr2.core.text.tokenizer import build_tokenizer
 from tests.core.text.synthetic import make_candidates, make_items, make_sids, sid_tokens
 
 
-def make_world(n_users: int = 6, seed: int = 2) -> tuple[PreTrainedTokenizerFast, pd.DataFrame]:
-    """A tokenizer trained on synthetic prompts/answers and the `requests` frame of `n_users` test users."""
+def make_world(
+    n_users: int = 6, seed: int = 2, splits: tuple[str, ...] = ("test",)
+) -> tuple[PreTrainedTokenizerFast, pd.DataFrame]:
+    """A tokenizer trained on synthetic prompts/answers and the `requests` of `n_users` users per split."""
     items, sids = make_items(40, seed=0), make_sids(40, seed=1)
-    cands = make_candidates(items, n_users, seed, history_len=5).assign(split="test")
+    cands = pd.concat(
+        [
+            make_candidates(items, n_users, seed + 100 * i, history_len=5).assign(split=split)
+            for i, split in enumerate(splits)
+        ],
+        ignore_index=True,
+    )
     config = PromptConfig()
     lookup = ItemLookup.from_frames(items, sids, config)
     texts = []
