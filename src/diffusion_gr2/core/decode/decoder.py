@@ -123,12 +123,15 @@ class _CachedRunner:
         self.cache = buffer_cache(model, layout.length)
         self.n = 0  # columns held by the cache
 
-    def forward(self, clean: Tensor | None, canvas: Tensor | None, canvas_valid: Tensor | None) -> Tensor:
-        """Logits `[b, m, v]` of the next tokens: the clean part's last position, then canvas positions.
+    def forward(
+        self, clean: Tensor | None, canvas: Tensor | None, canvas_valid: Tensor | None, lo: int = 0
+    ) -> Tensor:
+        """Logits `[b, m, v]` of the block's tokens `lo .. q - 1` (q = canvas length; m >= 1).
 
-        Column j predicts the block's token `j + lo`: with `clean` ([b, c]) lo = 0 and column 0 comes
-        from the clean part's last position (the block's first token), column j >= 1 from canvas
-        position j - 1 (the token shift); without it lo = 1 (position 0 is already written). `canvas_valid`
+        With `clean` ([b, c]) lo must be 0: column 0 comes from the clean part's last position (the
+        block's first token), column j >= 1 from canvas position j - 1 (the token shift). Without it
+        lo >= 1: tokens before `lo` are committed in every row, so their logits are not computed
+        (the LM head is a large share of a small model's step). `canvas_valid`
         [b, q] marks the canvas positions each row really feeds (its window); the others are keys
         nobody attends to, so a row's result never depends on its batch neighbours' windows.
         """
@@ -139,13 +142,15 @@ class _CachedRunner:
         lay = self.layout.head(end)
         if canvas_valid is not None:
             lay = replace(lay, valid=torch.cat([lay.valid[:, : self.n + c], canvas_valid], 1))
-        # a clean part needs the predicate's mask (it must not see the canvas); a canvas alone sees every key
-        hidden = cached_block_hidden(self.model, ids, lay, self.cache, full_mask=c > 0)
+        # The predicate's mask where it differs from key validity: a prompt (causal) and a clean block
+        # beside a canvas (it must not see it). Anything else sees every valid key: a broadcast row.
+        full_mask = self.n == 0 or (c > 0 and q > 0)
+        hidden = cached_block_hidden(self.model, ids, lay, self.cache, full_mask=full_mask)
         if q:
             self.cache.crop(-q)  # negative = number of tokens to drop (transformers 5)
         self.n += c
-        lo = c - 1 if c else 0
-        return lm_logits(self.model, hidden[:, lo : c + q - 1 if q else c])
+        cols = slice(c - 1, c + q - 1 if q else c) if c else slice(lo - 1, q - 1)
+        return lm_logits(self.model, hidden[:, cols])
 
     def keep(self, rows: Tensor) -> None:
         """Drop every row not in `rows`."""
@@ -160,7 +165,9 @@ class _RecomputeRunner:
         self.model, self.layout = model, layout
         self.seq: Tensor | None = None  # every clean token so far
 
-    def forward(self, clean: Tensor | None, canvas: Tensor | None, canvas_valid: Tensor | None) -> Tensor:
+    def forward(
+        self, clean: Tensor | None, canvas: Tensor | None, canvas_valid: Tensor | None, lo: int = 0
+    ) -> Tensor:
         if clean is not None:
             self.seq = clean if self.seq is None else torch.cat([self.seq, clean], 1)
         assert self.seq is not None, "the first forward carries the prompt"
@@ -170,8 +177,8 @@ class _RecomputeRunner:
             lay = replace(lay, valid=torch.cat([lay.valid[:, :n], canvas_valid], 1))
         ids = self.seq if canvas is None else torch.cat([self.seq, canvas], 1)
         hidden = layout_hidden(self.model, ids, lay)
-        lo = n - 1 if clean is not None else n
-        return lm_logits(self.model, hidden[:, lo : n + q - 1 if q else n])
+        cols = slice(n - 1, n + q - 1 if q else n) if clean is not None else slice(n + lo - 1, n + q - 1)
+        return lm_logits(self.model, hidden[:, cols])
 
     def keep(self, rows: Tensor) -> None:
         assert self.seq is not None
@@ -302,6 +309,9 @@ class _Block:
         self.masked[:, cols] &= ~commit
 
 
+_COLS = torch.arange(4096)  # column indices, sliced instead of built every step
+
+
 def _fed_width(masked: Tensor, window: int | None) -> Tensor:
     """[b] canvas positions each row feeds: up to its leftmost masked one plus `window` (all k if None)."""
     k = masked.shape[1]
@@ -335,13 +345,17 @@ def _run_block(
             return
         fill = step == max_steps  # the cap: every remaining position is filled, so the whole block is fed
         if k == 1:
-            fed = torch.zeros_like(need, dtype=torch.long)
+            fed, lo = torch.zeros_like(need, dtype=torch.long), 0
+            q = 0
         else:
             fed = _fed_width(blk.masked, None if fill else cfg.window)
-        q = int(fed.max())  # a row whose positions are all committed feeds its whole (clean) block
-        canvas_valid = torch.arange(q, device=fed.device) < fed[:, None]
-        lo = 0 if pending is not None else 1
-        logits = runner.forward(pending, blk.tokens[:, :q] if q else None, canvas_valid)  # [b, m, v]
+            # one host read: the widest row's canvas, and the first position still masked in any row
+            # that needs this forward (everything left of it is committed everywhere)
+            leftmost = torch.where(blk.masked & need[:, None], _COLS[:k].to(fed.device), k).min()
+            q, first = torch.stack([fed.max(), leftmost]).tolist()
+            lo = 0 if pending is not None else max(1, min(first, q - 1))
+        canvas_valid = torch.arange(q, device=fed.device) < fed[:, None] if q else None
+        logits = runner.forward(pending, blk.tokens[:, :q] if q else None, canvas_valid, lo)  # [b, m, v]
         need = need | (pending is not None)  # the first forward also writes the clean part: all rows
         pending = None
         tokens, logps = _choose(logits, cfg, gen)
