@@ -12,7 +12,7 @@ import pandas as pd
 import pytest
 
 from diffusion_gr2.core.rank.benchmark import BENCHMARK_KEYS
-from diffusion_gr2.core.rank.metrics import stage_metrics_rows
+from diffusion_gr2.core.rank.rerank import stage_metrics
 from tests.conftest import PROJECT_ROOT, run_kedro
 
 SYSTEMS = ("prerank", "ar_sft", "ar_rl", "naive", "cft", "opd", "rl")
@@ -57,7 +57,8 @@ def test_stage_metrics_cover_every_system_and_are_recomputable(dag_run: Path) ->
         assert {"tau", "n", "recall@1", "ndcg@3", "mrr", "valid_rate", "fallback_rate", "ci"} <= set(row)
         assert (row["tau"] is None) == (row["system"] in ("prerank", "ar_sft", "ar_rl"))
     rankings = pd.read_parquet(dag_run / "data/07_model_output/rankings.parquet")
-    recomputed = json.loads(json.dumps(stage_metrics_rows(rankings, n_boot=10)))
+    assert {r["split"] for r in rows} == {"valid", "test"}  # choose on valid, report on test
+    recomputed = json.loads(json.dumps(stage_metrics(rankings, n_boot=10)))
     without_ci = [{k: v for k, v in row.items() if k != "ci"} for row in rows]
     assert [{k: v for k, v in row.items() if k != "ci"} for row in recomputed] == without_ci
 
@@ -152,3 +153,34 @@ def test_feature_ceiling_script_reports_every_split(dag_run: Path) -> None:
         ),
     )
     assert {line.split()[1] for line in out.splitlines()[1:]} == {"train", "valid", "test"}
+
+
+def test_decode_profile_and_variants_scripts_run_on_the_trained_models(dag_run: Path, tmp_path: Path) -> None:
+    data = dag_run / "data"
+    inputs = (
+        "--models",
+        str(data / "06_models"),
+        "--requests",
+        str(data / "05_model_input/requests.parquet"),
+    )
+    out = run_script(
+        dag_run,
+        "decode_profile.py",
+        *inputs,
+        *("--systems", "ar_rl", "rl", "--n", "2", "--batch-sizes", "1", "2", "--threads", "1"),
+        *("--repeats", "1", "--windows", "0", "2", "--json", str(tmp_path / "profile.json")),
+    )
+    profile = json.loads((tmp_path / "profile.json").read_text())
+    assert len(profile["settings"]) == 2 + 2 * 2  # ar_rl at 2 batch sizes, rl at 2 windows x 2 batch sizes
+    for row in profile["settings"]:
+        assert row["forward_s"] > 0 and row["forward_s"] + row["grammar_s"] <= row["wall_s"]
+    assert set(profile["canvas_ms"]) == {"rl@1", "rl@2"} and "forward cost" in out
+    run_script(
+        dag_run,
+        "decode_variants.py",
+        *inputs,
+        *("--taus", "0.9", "--max-users", "2", "--threads", "1", "--json", str(tmp_path / "variants.json")),
+    )
+    variants = json.loads((tmp_path / "variants.json").read_text())
+    assert [(v["mode"], v["n"]) for v in variants] == [("fused", 2), ("separate", 2)]
+    assert all(0.0 <= v["unforced_rate"] <= 1.0 and v["tokens_per_forward"] >= 1.0 for v in variants)

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from diffusion_gr2.core.rank import metrics as M
+from diffusion_gr2.core.rank.rerank import stage_metrics
 
 PRE = [10, 11, 12, 13, 14, 15]
 ROWS = [
@@ -114,6 +115,7 @@ def test_stage_metrics_rows() -> None:
     frame = pd.DataFrame(
         [{**r, "system": "cft", "tau": 0.9} for r in ROWS] + [{**ROWS[0], "system": "prerank", "tau": 1.0}]
     )
-    rows = M.stage_metrics_rows(frame, n_boot=50)
+    rows = stage_metrics(frame, n_boot=50)  # no split / window columns: test, whole block
     assert [(r["system"], r["tau"], r["n"]) for r in rows] == [("cft", 0.9, 4), ("prerank", 1.0, 1)]
+    assert all(r["split"] == "test" and r["window"] is None for r in rows)
     assert rows[0]["recall@1"] == 0.25 and set(rows[1]["ci"]) == set(M.METRICS)

@@ -24,7 +24,6 @@ __all__ = [
     "recall_at_k",
     "recall_ndcg_at_k",
     "reciprocal_rank",
-    "stage_metrics_rows",
     "system_metrics",
     "target_rank",
     "target_ranks",
@@ -165,18 +164,6 @@ def system_metrics(
     n = len(values["mrr"])
     means = {k: float(v.mean()) if n else float("nan") for k, v in values.items()}
     return {"n": n, **means, "ci": bootstrap_ci(values, n_boot, seed, level)}
-
-
-def stage_metrics_rows(rankings: pd.DataFrame, n_boot: int = 1000, seed: int = 0) -> list[dict[str, Any]]:
-    """One ``stage_metrics.json`` row per (system, tau) of a rankings frame (DESIGN §10), in frame order.
-
-    AR systems have no threshold: their tau is NaN in the frame and ``None`` (JSON null) in the rows.
-    """
-    rows = []
-    for (system, tau), group in rankings.groupby(["system", "tau"], sort=False, dropna=False):
-        tau_value = None if pd.isna(tau) else float(tau)
-        rows.append({"system": system, "tau": tau_value, **system_metrics(group, n_boot, seed)})
-    return rows
 
 
 class PairedBootstrap(NamedTuple):
