@@ -5,13 +5,16 @@ the logits each token of rollouts ``rows`` was sampled from under the current we
 forward; diffusion: replay of each token's commit canvas, TraceRL style).
 
 Rollout reuse (PPO; the DAPO and Diffusion-GR2 recipes reuse each rollout batch): a *round* is one
-rollout batch, sampled once. Its old log-probs are computed once, by a no-grad pass of ``logits_fn``
-under the weights that sampled it, before any update; the round then trains ``ppo_epochs`` passes of
-``mini_batches`` optimiser steps each. The first step's ratio is 1; every later step sees a policy
-that has moved, which is where the clip acts. The old log-probs come from the training forward, not
-from the decoder's recorded ones: both are the sampling distribution (equal to float rounding on the
-CPU, ``behaviour_gap`` logs the difference), but only the training forward makes the ratio exactly
-the policy's change, whatever precision or kernels the decoder ran with (verl recomputes them too).
+rollout batch, sampled once, whose old log-probs are fixed once, before any update; the round then
+trains ``ppo_epochs`` passes of ``mini_batches`` optimiser steps each. The first step's ratio is 1;
+every later step sees a policy that has moved, which is where the clip acts.
+
+The old log-probs are the decoder's own (recorded as it sampled; free), or, with
+``recompute_old_logprobs``, a no-grad pass of ``logits_fn`` under the sampling weights. Both are the
+sampling distribution: in float32 on the CPU they agree to ~5e-7 nats for the AR forward and for
+diffusion replay alike (``behaviour_gap`` logs the largest difference when recomputing). The pass
+costs about one forward of the round; it pays where decoder and trainer numerics differ (bf16, other
+kernels), since only the training forward makes the ratio exactly the policy's change (verl's choice).
 
 Shapes: ``g`` group size, ``b`` rollouts of a round (= groups x g), ``r`` response length, ``v``
 vocabulary, ``m`` rollouts of one micro-batch.
@@ -53,6 +56,7 @@ class GRPOConfig:
     clip_high: float = 0.28  # ratio ceiling 1 + clip_high (DAPO clip-higher; Diffusion-GR2 uses 0.2)
     ppo_epochs: int = 1  # passes over each rollout batch; 1 = on-policy (ratio always 1)
     mini_batches: int = 1  # optimiser steps per pass; the kept rollouts are split between them
+    recompute_old_logprobs: bool = False  # True: a no-grad training forward instead of the decoder's
 
     def __post_init__(self) -> None:
         if self.ppo_epochs < 1 or self.mini_batches < 1:
@@ -176,22 +180,27 @@ def make_round(
     temperature: float = 1.0,
     recorded_logprobs: torch.Tensor | None = None,
     metrics: dict[str, float] | None = None,
+    recompute: bool = False,
 ) -> GRPORound:
     """A round from rollouts laid out group-major: rewards [n_groups, g], tokens/mask [b = n g, r].
 
-    The old log-probs of the kept rollouts come from one no-grad pass now, before any update.
-    ``recorded_logprobs`` [b, r] (the decoder's, optional) only feed the ``behaviour_gap`` metric.
+    ``recorded_logprobs`` [b, r] (the decoder's) are the old log-probs; without them, the kept
+    rollouts' old log-probs come from one no-grad pass now, before any update. ``recompute`` does the
+    pass anyway and logs ``behaviour_gap``, its largest difference from the recorded ones.
     """
     advantages, keep = group_advantages(rewards)
     keep, mask = keep.reshape(-1), mask.bool()
-    old = torch.zeros(tokens.shape, dtype=torch.float32)
     rows = torch.nonzero(keep).squeeze(1).tolist()
     extra = {**(metrics or {}), "kept_groups": float(keep.float().mean())}
-    if rows:
-        with torch.no_grad():
-            logp, _ = _scored_logprobs(model, logits_fn, inputs, rows, tokens[rows], temperature)
-        old[rows, : logp.shape[1]] = logp.cpu()
-        if recorded_logprobs is not None:
+    if recorded_logprobs is not None and not recompute:
+        old = recorded_logprobs.float().cpu()
+    else:
+        old = torch.zeros(tokens.shape, dtype=torch.float32)
+        if rows:
+            with torch.no_grad():
+                logp, _ = _scored_logprobs(model, logits_fn, inputs, rows, tokens[rows], temperature)
+            old[rows, : logp.shape[1]] = logp.cpu()
+        if recorded_logprobs is not None and rows:
             gap = (old[rows] - recorded_logprobs[rows]).abs()[mask[rows]]
             extra["behaviour_gap"] = float(gap.max()) if gap.numel() else 0.0
     return GRPORound(inputs, tokens, old, advantages.reshape(-1), mask, keep, temperature, extra)
