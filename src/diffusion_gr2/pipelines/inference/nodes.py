@@ -45,8 +45,10 @@ def rerank_prerank(requests: pd.DataFrame, params: dict[str, Any]) -> pd.DataFra
     return pd.concat(frames, ignore_index=True)
 
 
-def _sweep(params: dict[str, Any]) -> list[Setting]:
-    return [(float(t), None) for t in params["taus"]]
+def _sweep(params: dict[str, Any], system: str) -> list[Setting]:
+    """The tau sweep (whole-block canvas) of `system`: `taus`, unless `taus_by_system` narrows it."""
+    taus = (params.get("taus_by_system") or {}).get(system, params["taus"])
+    return [(float(t), None) for t in taus]
 
 
 def _candidates(params: dict[str, Any]) -> list[Setting]:
@@ -79,14 +81,14 @@ def make_rerank_node(system: str) -> Callable[..., pd.DataFrame | dict[str, Any]
         frames, point = [], None
         if "valid" in params["splits"]:
             valid = _split_requests(requests, params, "valid")
-            settings = _candidates(params) if chooses else _sweep(params)
+            settings = _candidates(params) if chooses else _sweep(params, system)
             rows, speeds = rerank_system(model, valid, tokenizer, system, settings, config, "valid")
             frames.append(rows)
             if chooses:
                 point = _operating_point(system, speeds, reference, params["operating_point"])
         if "test" in params["splits"]:
             test = _split_requests(requests, params, "test")
-            settings = _sweep(params)
+            settings = _sweep(params, system)
             if (
                 point is not None
                 and point["tau"] is not None
