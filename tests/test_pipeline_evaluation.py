@@ -77,8 +77,37 @@ def test_rankings_hold_every_system_and_tau(evaluation_run: Path) -> None:
     assert (groups == SMOKE_USERS).all()
     assert sorted(rankings["user_id"].unique()) == list(range(SMOKE_USERS))  # the first users by id
     assert (rankings["output_tokens"] <= 160).all()
+    assert rankings["valid"].all()  # served under the answer grammar: the fallback is tested below
+
+
+@pytest.fixture(scope="module")
+def free_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """`inference` with free decoding (no grammar): the tiny random models write invalid answers."""
+    with isolated_project(tmp_path_factory.mktemp("free_decoding_project")) as root:
+        _write_inputs(root)
+        params_file = root / "conf/smoke/parameters_inference.yml"
+        params = yaml.safe_load(params_file.read_text())
+        params["inference"]["decoding"]["constrained"] = False
+        params_file.write_text(yaml.safe_dump(params))
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            run_kedro(root, ["inference"])
+        finally:
+            torch.set_num_threads(threads)
+        yield root
+
+
+@pytest.mark.slow
+def test_invalid_answers_are_served_the_prerank_and_counted(free_run: Path) -> None:
+    rankings = pd.read_parquet(free_run / "data/07_model_output/rankings.parquet")
     invalid = rankings[~rankings["valid"]]
+    assert len(invalid) > 0 and set(invalid["system"]) <= {*AR_SYSTEMS, *DIFFUSION_SYSTEMS}
     assert (invalid["ranking"].map(list) == invalid["prerank"].map(list)).all()  # fallback served
+    assert (invalid["reason"] != "ok").all() and (invalid["forced"] == 0).all()
+    rows = stage_metrics(rankings, n_boot=10, seed=0)  # one row per (split, system, tau, window)
+    assert sum(r["n"] for r in rows) == len(rankings)
+    assert sum(r["n"] * r["fallback_rate"] for r in rows) == pytest.approx(len(invalid))  # all counted
 
 
 @pytest.mark.slow
