@@ -275,8 +275,9 @@ def grpo_loss(logits_fn: LogitsFn, config: GRPOConfig) -> Callable:
         rnd = batch.round
         extra = {**rnd.metrics, "ppo_epoch": float(batch.epoch)}
         if not batch.rows:
-            # No kept rollout here (every group had zero reward variance): the loss is an exact zero,
-            # so skip the (replay) forward; a graph-connected zero keeps the optimiser step identical.
+            # No kept rollout in this micro-batch (zero reward variance everywhere, or fewer kept
+            # rollouts than micro-batches): the loss is an exact zero, so skip the (replay) forward;
+            # a graph-connected zero keeps the optimiser step identical to computing it.
             zero = sum(p.sum() for p in model.parameters() if p.requires_grad) * 0.0
             return zero, {**extra, "clip_fraction": 0.0, "kl_old": 0.0, "ratio_mean": 1.0, "tokens": 0.0}
         rows = batch.rows
