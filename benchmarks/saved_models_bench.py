@@ -3,10 +3,13 @@
     .venv/bin/python benchmarks/saved_models_bench.py [--device cuda] [--systems ar_rl cft rl] [--out DIR]
 
 Reads the trained systems from `data/06_models/<system>`, the requests from
-`data/05_model_input/requests.parquet` and every setting from `conf/base/parameters_benchmark.yml`
-(flags override a few), then times them with the same core function as the Kedro node
-(`core.rank.benchmark.benchmark_requests`). Made for machines that hold the models but not the
-project's environment, such as a GPU box with only PyTorch and transformers. Writes
+`data/05_model_input/requests.parquet`, the operating points from
+`data/08_reporting/operating_point.json` (written by `inference`; without it the diffusion systems
+are timed only in rl's tau sweep) and every setting from `conf/base/parameters_benchmark.yml` (flags
+override a few), then times them with the same core function as the Kedro node
+(`core.rank.benchmark.benchmark_requests`): ar_rl, `generate` on its weights, each diffusion system at
+its operating point, under the answer grammar and free. Made for machines that hold the models but not
+the project's environment, such as a GPU box with only PyTorch and transformers. Writes
 `benchmark.json` and `speedup_by_length.json` to `--out` and prints the table.
 """
 
@@ -15,6 +18,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
 from pathlib import Path
 
 import pandas as pd
@@ -34,17 +38,24 @@ def main() -> None:
     parser.add_argument("--models", type=Path, default=ROOT / "data/06_models")
     parser.add_argument("--requests", type=Path, default=ROOT / "data/05_model_input/requests.parquet")
     parser.add_argument("--params", type=Path, default=ROOT / "conf/base/parameters_benchmark.yml")
+    parser.add_argument(
+        "--operating-point", type=Path, default=ROOT / "data/08_reporting/operating_point.json"
+    )
     parser.add_argument("--systems", nargs="+", default=["ar_rl", "cft", "opd", "rl"])
     parser.add_argument("--device", default=None, help="overrides benchmark.decoding.device")
     parser.add_argument("--rounds", type=int, default=None, help="overrides benchmark.timing.rounds")
+    parser.add_argument("--min-calls", type=int, default=None, help="overrides benchmark.timing.min_calls")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--out", type=Path, default=Path("."))
     args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
 
     params = yaml.safe_load(args.params.read_text())["benchmark"]
     config = BenchmarkConfig.from_params(params["timing"])
     if args.rounds is not None:
         config = dataclasses.replace(config, rounds=args.rounds)
+    if args.min_calls is not None:
+        config = dataclasses.replace(config, min_calls=args.min_calls)
     decoding = RerankConfig(**params["decoding"])
     if args.device is not None:
         decoding = dataclasses.replace(decoding, device=args.device)
@@ -57,7 +68,14 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(args.models / "tokenizer", local_files_only=True)
     models = {s: load_model(args.models / s) for s in args.systems}
     requests = pd.read_parquet(args.requests)
-    result = benchmark_requests(models, requests, tokenizer, decoding, config, params["split"])
+    points = None
+    if args.operating_point.is_file():
+        points = json.loads(args.operating_point.read_text())
+    else:
+        logging.warning(
+            "%s not found: no operating points (run the inference pipeline)", args.operating_point
+        )
+    result = benchmark_requests(models, requests, tokenizer, decoding, config, params["split"], points)
 
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "benchmark.json").write_text(json.dumps(result.rows, indent=2))

@@ -105,17 +105,23 @@ def run_script(project: Path, script: str, *args: str) -> str:
 
 def test_saved_model_benchmark_script_times_the_trained_models(dag_run: Path, tmp_path: Path) -> None:
     data, conf = dag_run / "data", dag_run / "conf/smoke"
+    points = tmp_path / "operating_point.json"  # cft at a known point, whatever validation chose
+    points.write_text(json.dumps({"cft": {"tau": 0.9, "window": 2, "refused": None}}))
     run_script(
         dag_run,
         "saved_models_bench.py",
         *("--models", str(data / "06_models"), "--requests", str(data / "05_model_input/requests.parquet")),
         *("--params", str(conf / "parameters_benchmark.yml"), "--systems", "ar_rl", "cft"),
-        *("--rounds", "1", "--threads", "1", "--out", str(tmp_path)),
+        *("--operating-point", str(points), "--rounds", "1", "--min-calls", "1", "--threads", "1"),
+        *("--out", str(tmp_path)),
     )
     rows = json.loads((tmp_path / "benchmark.json").read_text())
-    assert {(r["system"], r["batch_size"]) for r in rows} == {
-        (s, b) for s in ("ar_rl", "cft") for b in (1, 16)
-    }
+    assert [(r["system"], r["window"], r["constrained"], r["batch_size"]) for r in rows] == [
+        (s, w, c, b)
+        for s, w in (("ar_rl", None), ("generate", None), ("cft", 2))
+        for c in (True, False)
+        for b in (1, 4)
+    ]  # smoke: batch 1 and 4; rl (the sweep) not asked for
     assert all(list(r) == list(BENCHMARK_KEYS) and r["output_tokens_per_s"] > 0 for r in rows)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -145,25 +146,55 @@ def test_evaluation_is_logged_to_mlflow(evaluation_run: Path) -> None:
     assert plots == {"plots/recall_at_1.png", "plots/valid_rate.png"}
 
 
+# The operating points the benchmark reads: cft at a whole-block tau, rl with a window, opd refused.
+OPERATING_POINTS = {
+    "cft": {"tau": 0.9, "window": None, "refused": None},
+    "opd": {"tau": None, "window": None, "refused": "no (tau, window) reaches R@1 0.500 on validation"},
+    "rl": {"tau": 0.9, "window": 2, "refused": None},
+}
+
+
 @pytest.fixture(scope="module")
-def benchmark_run(evaluation_run: Path) -> Path:
+def benchmark_run(evaluation_run: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """`benchmark` on a copy of the evaluated project (its own MLflow store) with known operating points."""
+    root = tmp_path_factory.mktemp("benchmark_project") / "project"
+    shutil.copytree(evaluation_run, root, ignore=shutil.ignore_patterns("mlflow.db", "mlruns", "mlartifacts"))
+    (root / "data/08_reporting/operating_point.json").write_text(json.dumps(OPERATING_POINTS))
     threads = torch.get_num_threads()  # the benchmark sets the process's thread count
-    try:
-        run_kedro(evaluation_run, ["benchmark"])
-    finally:
-        torch.set_num_threads(threads)
-    return evaluation_run
+    with pytest.MonkeyPatch.context() as patch:
+        patch.chdir(root)
+        patch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{root / 'mlflow.db'}")
+        try:
+            run_kedro(root, ["benchmark"])
+        finally:
+            torch.set_num_threads(threads)
+        yield root
 
 
 @pytest.mark.slow
-def test_benchmark_pipeline_times_ar_against_diffusion(benchmark_run: Path) -> None:
+def test_benchmark_pipeline_times_ar_generate_and_each_operating_point(benchmark_run: Path) -> None:
     rows = json.loads((benchmark_run / "data/08_reporting/benchmark.json").read_text())
     assert all(list(r) == list(BENCHMARK_KEYS) for r in rows)
-    expected = [("ar_rl", None)] + [(s, 0.9) for s in ("cft", "opd", "rl")]  # smoke: taus [0.9]
-    assert [(r["system"], r["tau"], r["batch_size"]) for r in rows] == [
-        (s, t, b) for s, t in expected for b in (1, 16)
-    ]
+    lines = [("ar_rl", None, None), ("generate", None, None), ("cft", 0.9, None), ("rl", 0.9, 2)]
+    expected = [(*line, c, b) for line in lines for c in (True, False) for b in (1, 4)]  # smoke: 1 and 4
+    expected.append(("rl", 0.9, None, True, 1))  # the sweep (smoke: tau 0.9, batch 1, as served)
+    assert [(r["system"], r["tau"], r["window"], r["constrained"], r["batch_size"]) for r in rows] == expected
+    assert [r["operating_point"] for r in rows] == [True] * 16 + [False]  # opd refused: skipped
     assert all(0 < r["mean_output_tokens"] <= 160 and r["output_tokens_per_s"] > 0 for r in rows)
+    for r in rows:  # speed-ups against ar_rl at the same batch size and grammar flag, in this run
+        ref = next(
+            a
+            for a in rows
+            if a["system"] == "ar_rl"
+            and (a["batch_size"], a["constrained"]) == (r["batch_size"], r["constrained"])
+        )
+        assert r["speedup_vs_ar"] == pytest.approx(r["output_tokens_per_s"] / ref["output_tokens_per_s"])
     by_length = json.loads((benchmark_run / "data/08_reporting/speedup_by_length.json").read_text())
-    assert {r["system"] for r in by_length} == {"ar_rl", "cft", "opd", "rl"}
-    assert (benchmark_run / "data/08_reporting/plots/speedup_by_length.png").read_bytes()[:4] == b"\x89PNG"
+    assert {r["system"] for r in by_length} == {"ar_rl", "generate", "cft", "rl"}
+    for plot in ("speedup_by_length.png", "speedup_by_batch.png"):
+        assert (benchmark_run / "data/08_reporting/plots" / plot).read_bytes()[:4] == b"\x89PNG"
+    mlflow.set_tracking_uri(f"sqlite:///{benchmark_run / 'mlflow.db'}")
+    (run,) = mlflow.search_runs(experiment_names=["diffusion-gr2"], output_format="list")
+    assert "bench.rl.tau0.9.w2.b4.grammar.speedup_vs_ar" in run.data.metrics
+    plots = {a.path for a in mlflow.MlflowClient().list_artifacts(run.info.run_id, "plots")}
+    assert {"plots/speedup_by_length.png", "plots/speedup_by_batch.png"} <= plots

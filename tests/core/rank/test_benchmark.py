@@ -1,8 +1,10 @@
-"""Decode benchmark: rows, output-token accounting, batching, speed-up by output length."""
+"""Decode benchmark: settings, rows, output-token accounting, calls per setting, speed-ups, plots."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import logging
 from collections.abc import Callable, Iterator
 
 import pandas as pd
@@ -14,27 +16,49 @@ from diffusion_gr2.core.decode.decoder import decode
 from diffusion_gr2.core.rank import benchmark as bench
 from diffusion_gr2.core.rank.benchmark import (
     BENCHMARK_KEYS,
+    GENERATE,
     BenchmarkConfig,
+    add_speedups,
+    calls_per_round,
+    cycled_batches,
     format_table,
     full_batches,
+    plan_settings,
     run_benchmark,
     speedup_by_length,
 )
-from diffusion_gr2.core.rank.plots import speedup_figure
-from diffusion_gr2.core.rank.rerank import RerankConfig, decode_config_for
+from diffusion_gr2.core.rank.operating_point import refused_operating_point
+from diffusion_gr2.core.rank.plots import speedup_by_batch_figure, speedup_figure
+from diffusion_gr2.core.rank.rerank import RerankConfig, decode_config_for, request_grammars
 from diffusion_gr2.core.text.tokenizer import IM_END
 from tests.core.model.tiny import tiny_model_for
 from tests.core.rank.world import make_world
 
 MAX_NEW = 8
+# DESIGN §10: the keys of a `benchmark.json` row; the benchmark adds `window` and `operating_point`.
+DESIGN_KEYS = {
+    "system",
+    "tau",
+    "batch_size",
+    "constrained",
+    "backend",
+    "output_tokens_per_s",
+    "nfe_per_sample",
+    "tokens_per_forward",
+    "latency_p50_ms",
+    "latency_p95_ms",
+    "mean_output_tokens",
+    "device",
+    "speedup_vs_ar",
+}
 
 
 @pytest.fixture(scope="module")
-def world() -> Iterator[tuple[PreTrainedTokenizerFast, list[list[int]]]]:
+def world() -> Iterator[tuple[PreTrainedTokenizerFast, list[list[int]], list]]:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny models: more threads only add contention
     tokenizer, requests = make_world(n_users=3)
-    yield tokenizer, [list(p) for p in requests["prompt_ids"]]
+    yield tokenizer, [list(p) for p in requests["prompt_ids"]], request_grammars(tokenizer, requests)
     torch.set_num_threads(threads)
 
 
@@ -52,74 +76,211 @@ def forced_model(
     return model
 
 
-def ticking_clock() -> Callable[[], float]:
+class TickingClock:
     """A fake clock that advances one second per reading: every timed call lasts exactly 1 s."""
-    counter = itertools.count()
-    return lambda: float(next(counter))
+
+    def __init__(self) -> None:
+        self.readings = 0
+        self._count: Callable[[], int] = itertools.count().__next__
+
+    def __call__(self) -> float:
+        self.readings += 1
+        return float(self._count())
 
 
-def _bench(models: dict[str, PreTrainedModel], tokenizer, prompts, batch_sizes=(1, 4), taus=(0.9,)):
-    config = BenchmarkConfig(n_prompts=len(prompts), batch_sizes=batch_sizes, taus=taus, warmup=1)
-    decoding = RerankConfig(max_new_tokens=MAX_NEW, constrained=False)  # forced models: raw speed
-    return run_benchmark(models, prompts, tokenizer, decoding, config, clock=ticking_clock())
+def point(tau: float, window: int | None) -> dict:
+    """An operating_point.json entry as `choose_operating_point` writes it (the fields the benchmark reads)."""
+    return {"tau": tau, "window": window, "budget": 0.01, "refused": None}
+
+
+def _config(prompts, **kw) -> BenchmarkConfig:
+    base = dict(n_prompts=len(prompts), batch_sizes=(1, 4), taus=(0.9,), warmup=1, rounds=1, min_calls=1)
+    base |= dict(constrained=(False,), sweep_systems=(), sweep_batch_sizes=(1,), sweep_constrained=(False,))
+    return BenchmarkConfig(**(base | kw))
+
+
+def _bench(models, tokenizer, prompts, points=None, grammars=None, max_new=MAX_NEW, **kw):
+    decoding = RerankConfig(max_new_tokens=max_new)
+    config = _config(prompts, **kw)
+    return run_benchmark(
+        models, prompts, tokenizer, decoding, config, TickingClock(), grammars, operating_points=points
+    )
+
+
+def _row(rows, system, batch_size=1, constrained=False, **match):
+    (row,) = [
+        r
+        for r in rows
+        if r["system"] == system
+        and r["batch_size"] == batch_size
+        and r["constrained"] == constrained
+        and all(r[k] == v for k, v in match.items())
+    ]
+    return row
+
+
+def test_benchmark_keys_are_designs_plus_window_and_operating_point() -> None:
+    assert set(BENCHMARK_KEYS) == DESIGN_KEYS | {"window", "operating_point"}
+    assert len(BENCHMARK_KEYS) == len(set(BENCHMARK_KEYS))
 
 
 def test_throughput_counts_output_tokens_only(world) -> None:
-    tokenizer, prompts = world  # prompts are ~460 tokens: counting them would dwarf the output
+    tokenizer, prompts, _ = world  # prompts are ~460 tokens: counting them would dwarf the output
     never_ends = forced_model(tokenizer, tokenizer.convert_tokens_to_ids("<a_3>"))
     stops_at_once = forced_model(tokenizer, tokenizer.convert_tokens_to_ids(IM_END))
-    long = {(r["batch_size"]): r for r in _bench({"ar_rl": never_ends}, tokenizer, prompts).rows}
-    assert (
-        long[1]["mean_output_tokens"] == MAX_NEW and long[1]["output_tokens_per_s"] == MAX_NEW
-    )  # 3 calls, 3 s
-    assert long[1]["latency_p50_ms"] == long[1]["latency_p95_ms"] == 1000.0  # per request at batch 1
+    rows = _bench({"ar_rl": never_ends}, tokenizer, prompts).rows
+    long = {r["batch_size"]: r for r in rows if r["system"] == "ar_rl"}
+    assert long[1]["mean_output_tokens"] == MAX_NEW and long[1]["output_tokens_per_s"] == MAX_NEW  # 3 x 1 s
+    assert long[1]["latency_p50_ms"] == long[1]["latency_p95_ms"] == 1000.0  # each request waits 1 s
     # batch 4 cycles the 3 prompts into one full batch: 4 rows x 8 tokens in one 1-s call.
     assert long[4]["output_tokens_per_s"] == 4 * MAX_NEW and long[4]["latency_p50_ms"] == 1000.0
     assert long[1]["nfe_per_sample"] == MAX_NEW and long[1]["tokens_per_forward"] == 1.0
-    (short, _) = _bench({"ar_rl": stops_at_once}, tokenizer, prompts).rows
+    short = _row(_bench({"ar_rl": stops_at_once}, tokenizer, prompts).rows, "ar_rl")
     assert short["mean_output_tokens"] == 1 and short["output_tokens_per_s"] == 1.0  # the end token only
 
 
-def test_rows_have_every_key_and_diffusion_commits_several_tokens_per_forward(world) -> None:
-    tokenizer, prompts = world
+def test_rows_have_exactly_the_keys_and_each_system_its_operating_point(world) -> None:
+    tokenizer, prompts, _ = world
     token = tokenizer.convert_tokens_to_ids("<a_3>")
     models = {"cft": forced_model(tokenizer, token, block_size=4), "ar_rl": forced_model(tokenizer, token)}
-    result = _bench(models, tokenizer, prompts, taus=(0.9, 0.6))
+    result = _bench(models, tokenizer, prompts, points={"cft": point(0.6, 2)})
     assert all(list(r) == list(BENCHMARK_KEYS) for r in result.rows)
-    settings = [(r["system"], r["tau"], r["batch_size"]) for r in result.rows]
-    assert settings == [("ar_rl", None, 1), ("ar_rl", None, 4)] + [
-        ("cft", t, b) for t in (0.9, 0.6) for b in (1, 4)
-    ]  # the reference first, AR once, diffusion per tau
+    settings = [(r["system"], r["tau"], r["window"], r["batch_size"]) for r in result.rows]
+    assert settings == [
+        (s, t, w, b)
+        for s, t, w in (("ar_rl", None, None), (GENERATE, None, None), ("cft", 0.6, 2))
+        for b in (1, 4)
+    ]  # the reference first, then generate on its weights, then the diffusion system at its point
+    assert all(r["operating_point"] and r["backend"] == "eager" and not r["constrained"] for r in result.rows)
     assert all(r["device"].startswith("cpu") for r in result.rows)
-    cft = next(r for r in result.rows if r["system"] == "cft")
-    cfg = decode_config_for(models["cft"], tokenizer, 0.9, RerankConfig(max_new_tokens=MAX_NEW))
-    direct = decode(models["cft"], prompts, cfg)
+    cft = _row(result.rows, "cft")
+    cfg = decode_config_for(models["cft"], tokenizer, 0.6, RerankConfig(max_new_tokens=MAX_NEW))
+    direct = decode(models["cft"], prompts, dataclasses.replace(cfg, window=2))  # the window is passed on
     assert cft["nfe_per_sample"] == sum(o.nfe for o in direct) / len(direct)
-    assert cft["tokens_per_forward"] > 1.5  # confident model: a 4-token block in one step + one commit
-    assert cft["output_tokens_per_s"] == MAX_NEW  # fake clock: same tokens per 1-s call as AR
-    assert len(result.samples) == 3 * len(prompts)  # batch-1 requests of ar_rl, cft@0.9, cft@0.6
-    assert "cft" in format_table(result.rows) and "tok/s" in format_table(result.rows)
+    whole = decode(models["cft"], prompts, cfg)
+    assert sum(o.nfe for o in direct) > sum(o.nfe for o in whole)  # window 2 < block 4: more forwards
+    assert cft["tokens_per_forward"] > 1.5  # confident model: several tokens per forward
+    assert "cft τ=0.6 w2" in format_table(result.rows) and "tok/s" in format_table(result.rows)
 
 
-def test_rounds_interleave_the_settings_and_pool_their_calls(world, monkeypatch: pytest.MonkeyPatch) -> None:
-    tokenizer, prompts = world
+def test_generate_row_decodes_ar_rls_weights_free_and_under_the_grammar(world) -> None:
+    tokenizer, prompts, grammars = world
+    ar = tiny_model_for(tokenizer)  # random weights: the grammar really has to correct them
+    result = _bench(
+        {"ar_rl": ar},
+        tokenizer,
+        prompts,
+        grammars=grammars,
+        max_new=16,
+        batch_sizes=(2,),
+        constrained=(True, False),
+    )
+    for constrained in (True, False):
+        ours, hf = _row(result.rows, "ar_rl", 2, constrained), _row(result.rows, GENERATE, 2, constrained)
+        assert hf["mean_output_tokens"] == ours["mean_output_tokens"]  # the same tokens (pinned elsewhere)
+        assert hf["tokens_per_forward"] == 1.0 and hf["operating_point"] and hf["tau"] is None
+    free_only = plan_settings(
+        ["ar_rl"], None, BenchmarkConfig(constrained=(True, False), generate_constrained=False)
+    )
+    assert {s.constrained for s in free_only if s.system == GENERATE} == {False}
+
+
+def test_speedup_is_the_ratio_to_ar_rl_at_the_same_batch_size_and_grammar_flag() -> None:
+    def row(system, b, constrained, tps):
+        return {"system": system, "batch_size": b, "constrained": constrained, "output_tokens_per_s": tps}
+
+    rows = [
+        row("ar_rl", 1, True, 10.0),
+        row("ar_rl", 1, False, 20.0),
+        row("ar_rl", 4, True, 40.0),
+        row("rl", 1, True, 30.0),
+        row("rl", 1, False, 30.0),
+        row("rl", 4, True, 80.0),
+        row(GENERATE, 16, False, 5.0),  # the reference was not timed at batch 16
+    ]
+    got = [r["speedup_vs_ar"] for r in add_speedups(rows)]
+    assert got == [1.0, 1.0, 1.0, 3.0, 1.5, 2.0, None]
+
+
+def test_speedups_in_a_run_come_from_the_same_runs_reference_rows(world) -> None:
+    tokenizer, prompts, _ = world
     token = tokenizer.convert_tokens_to_ids("<a_3>")
-    models = {"cft": forced_model(tokenizer, token, block_size=4), "ar_rl": forced_model(tokenizer, token)}
-    timed: list[tuple[int, int]] = []  # (block size, batch size) of each timed setting, in order
+    models = {"ar_rl": forced_model(tokenizer, token), "rl": forced_model(tokenizer, token, block_size=4)}
+    rows = _bench(models, tokenizer, prompts, points={"rl": point(0.9, None)}).rows
+    for r in rows:
+        ref = _row(rows, "ar_rl", r["batch_size"], r["constrained"])
+        assert r["speedup_vs_ar"] == pytest.approx(r["output_tokens_per_s"] / ref["output_tokens_per_s"])
+    assert _row(rows, "ar_rl", 4)["speedup_vs_ar"] == 1.0
+
+
+def test_every_setting_gets_min_calls_over_the_rounds_counted_by_the_clock(
+    world, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tokenizer, prompts, _ = world
+    token = tokenizer.convert_tokens_to_ids("<a_3>")
+    models = {"ar_rl": forced_model(tokenizer, token), "rl": forced_model(tokenizer, token, block_size=4)}
+    timed: list[tuple[int, int]] = []  # (batch size, calls) of each timed round of a setting, in order
     real = bench.time_calls
 
-    def spy(model, batches, config, *args, **kwargs):
-        timed.append((config.block_size, len(batches[0])))
-        return real(model, batches, config, *args, **kwargs)
+    def spy(run, batches, *args, **kwargs):
+        timed.append((len(batches[0]), len(batches)))
+        return real(run, batches, *args, **kwargs)
 
     monkeypatch.setattr(bench, "time_calls", spy)
-    config = BenchmarkConfig(n_prompts=len(prompts), batch_sizes=(1, 4), taus=(0.9,), warmup=0, rounds=2)
-    decoding = RerankConfig(max_new_tokens=MAX_NEW, constrained=False)
-    result = run_benchmark(models, prompts, tokenizer, decoding, config, clock=ticking_clock())
-    assert timed == [(1, 1), (1, 4), (4, 1), (4, 4)] * 2  # round after round, not setting after setting
-    assert len(result.rows) == 4 and len(result.samples) == 2 * 2 * len(prompts)  # both rounds pooled
-    ar_b1 = next(r for r in result.rows if r["system"] == "ar_rl" and r["batch_size"] == 1)
-    assert ar_b1["output_tokens_per_s"] == MAX_NEW  # 6 calls of 1 s, 8 tokens each
+    clock = TickingClock()
+    config = _config(prompts, min_calls=5, rounds=2, sweep_systems=("rl",))
+    decoding = RerankConfig(max_new_tokens=MAX_NEW)
+    result = run_benchmark(models, prompts, tokenizer, decoding, config, clock, None, {"rl": point(0.6, 2)})
+    # 3 prompts: ceil(max(5, 3) / 2) = 3 calls per round at batch 1, ceil(max(5, 1) / 2) = 3 at batch 4
+    assert calls_per_round(1, 3, config) == calls_per_round(4, 3, config) == 3
+    assert set(result.calls.values()) == {6} and len(result.calls) == len(result.rows)
+    assert clock.readings == 2 * sum(result.calls.values())  # every timed call reads the clock twice
+    per_round = [(1, 3), (4, 3)] * 3 + [(1, 3)]  # ar_rl, generate, rl at its point; rl's sweep at batch 1
+    assert timed == per_round * 2  # round after round, every setting in each round
+    assert all(r["latency_p50_ms"] == 1000.0 for r in result.rows)
+    rows_of_rl = [
+        (r["tau"], r["window"], r["operating_point"], r["batch_size"])
+        for r in result.rows
+        if r["system"] == "rl"
+    ]
+    assert rows_of_rl == [(0.6, 2, True, 1), (0.6, 2, True, 4), (0.9, None, False, 1)]  # + the sweep
+
+
+def test_a_system_without_an_operating_point_is_skipped_with_a_warning(world, caplog) -> None:
+    tokenizer, prompts, _ = world
+    token = tokenizer.convert_tokens_to_ids("<a_3>")
+    models = {s: forced_model(tokenizer, token, block_size=4) for s in ("cft", "opd", "rl")}
+    models["ar_rl"] = forced_model(tokenizer, token)
+    points = {
+        "cft": refused_operating_point([], 0.5, 0.01, "no (tau, window) reaches R@1 0.490", "ar_rl"),
+        "rl": point(0.9, 2),
+    }  # opd: no entry at all
+    with caplog.at_level(logging.WARNING, logger=bench.__name__):
+        rows = _bench(models, tokenizer, prompts, points=points, sweep_systems=("rl", "cft")).rows
+    assert {r["system"] for r in rows if r["operating_point"]} == {"ar_rl", GENERATE, "rl"}
+    assert {(r["system"], r["tau"]) for r in rows if not r["operating_point"]} == {("rl", 0.9), ("cft", 0.9)}
+    assert "cft" in caplog.text and "R@1 0.490" in caplog.text and "opd" in caplog.text
+    no_file = _bench(models, tokenizer, prompts, points=None)  # inference never chose one: AR rows only
+    assert {r["system"] for r in no_file.rows} == {"ar_rl", GENERATE}
+
+
+def test_plan_times_a_sweep_point_that_is_the_operating_point_once() -> None:
+    config = BenchmarkConfig(
+        batch_sizes=(1, 4, 16, 32), taus=(1.0, 0.9), sweep_batch_sizes=(1, 16), sweep_constrained=(True,)
+    )
+    settings = plan_settings(["rl", "ar_rl"], {"rl": point(0.9, None)}, config)
+    keys = [s.key for s in settings]
+    assert len(keys) == len(set(keys))
+    sweep = [(s.tau, s.batch_size) for s in settings if s.system == "rl" and not s.operating_point]
+    assert sweep == [(1.0, 1), (1.0, 16)]  # tau 0.9 at batch 1 and 16 is the operating point's row
+    assert [(s.system, s.constrained) for s in settings[:8]] == [("ar_rl", True)] * 4 + [("ar_rl", False)] * 4
+    assert sum(s.system == GENERATE for s in settings) == 8  # both lines, four batch sizes
+    fewer = BenchmarkConfig.from_params(
+        {"batch_sizes": [1, 4], "system_batch_sizes": {"cft": [16]}, "taus": [0.9], "sweep_systems": []}
+    )
+    planned = plan_settings(["ar_rl", "cft"], {"cft": point(0.9, None)}, fewer)
+    assert {s.batch_size for s in planned if s.system == "cft"} == {16}
+    assert {s.batch_size for s in planned if s.system != "cft"} == {1, 4}
 
 
 def test_speedup_by_length_buckets_and_ratios() -> None:
@@ -139,13 +300,42 @@ def test_speedup_by_length_buckets_and_ratios() -> None:
     assert got[("rl", "65-128")]["speedup"] == pytest.approx(4.0)  # 80 vs 20 tokens/s
     assert got[("rl", "65-128")]["tokens_per_forward"] == 4.0 and got[("rl", "65-128")]["tau"] == 0.9
     assert got[("rl", ">256")]["speedup"] is None  # the reference never wrote that much
+    assert all(r["window"] is None for r in rows)
     speedup_figure(rows)  # renders without error, reference and None speed-ups skipped
+    windowed = samples.assign(window=[float("nan")] * 2 + [4.0] * 3)
+    assert {r["window"] for r in speedup_by_length(windowed, (32,)) if r["system"] == "rl"} == {4}
 
 
-def test_full_batches_cycle_prompts_to_fill_every_batch() -> None:
+def test_speedup_by_batch_plot_and_length_samples_of_a_run(world) -> None:
+    tokenizer, prompts, grammars = world
+    token = tokenizer.convert_tokens_to_ids("<a_3>")
+    models = {"ar_rl": forced_model(tokenizer, token), "rl": forced_model(tokenizer, token, block_size=4)}
+    result = _bench(
+        models,
+        tokenizer,
+        prompts,
+        {"rl": point(0.9, 2)},
+        grammars,
+        constrained=(True, False),
+        sweep_systems=("rl",),
+        sweep_constrained=(True,),
+    )
+    # batch-1 requests as served (under the grammar): ar_rl, generate, rl at its point, rl's sweep point
+    assert len(result.samples) == 4 * len(prompts)
+    assert {r["system"] for r in result.length_rows} == {"ar_rl", GENERATE, "rl"}
+    fig = speedup_by_batch_figure(result.rows)
+    labels = fig.axes[0].get_legend_handles_labels()[1]
+    assert (
+        "rl τ=0.9 w2 (grammar)" in labels and "rl τ=0.9 w2 (free)" in labels and "generate (free)" in labels
+    )
+    assert not any(label.startswith("rl τ=0.9 (") for label in labels)  # sweep rows belong to the frontier
+
+
+def test_batches_are_full_and_rounds_continue_the_cycle() -> None:
     prompts = [[1], [2], [3]]
     assert full_batches(prompts, 1) == [[[1]], [[2]], [[3]]]
     assert full_batches(prompts, 2) == [[[1], [2]], [[3], [1]]]
     assert full_batches(prompts, 16) == [[[1], [2], [3]] * 5 + [[1]]]
+    assert cycled_batches(prompts, 2, 2, start=4) == [[[2], [3]], [[1], [2]]]
     with pytest.raises(ValueError):
         full_batches([], 4)

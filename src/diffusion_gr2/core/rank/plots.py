@@ -1,4 +1,4 @@
-"""Report figures: accuracy with intervals, valid-output rate, speed-up by output length.
+"""Report figures: accuracy with intervals, valid-output rate, speed-up by output length and by batch size.
 
 Figures are built as `matplotlib.figure.Figure` objects, never through `pyplot`: no global figure
 state, no GUI backend (saving a PNG renders with Agg), so they are safe inside a Kedro run or a test.
@@ -11,7 +11,7 @@ from typing import Any
 
 from matplotlib.figure import Figure
 
-__all__ = ["metric_figure", "speedup_figure", "valid_rate_figure"]
+__all__ = ["metric_figure", "speedup_by_batch_figure", "speedup_figure", "valid_rate_figure"]
 
 _COLORS = {  # one colour per system, stable across figures
     "prerank": "#7f7f7f",
@@ -21,6 +21,7 @@ _COLORS = {  # one colour per system, stable across figures
     "cft": "#1f77b4",
     "opd": "#2ca02c",
     "rl": "#ff7f0e",
+    "generate": "#e377c2",  # transformers' generate on ar_rl's weights (benchmark)
 }
 
 
@@ -78,15 +79,16 @@ def speedup_figure(length_rows: Sequence[Mapping[str, Any]], reference: str = "a
     """Speed-up over the AR reference against output length, one line per (system, tau)."""
     fig = Figure(figsize=(6.5, 4.0), layout="constrained")
     ax = fig.add_subplot()
-    series: dict[tuple[str, Any], list[tuple[float, float]]] = {}
+    series: dict[tuple[str, Any, Any], list[tuple[float, float]]] = {}
     for row in length_rows:
         if row["system"] != reference and row.get("speedup") is not None:
-            series.setdefault((row["system"], row["tau"]), []).append(
+            series.setdefault((row["system"], row["tau"], row.get("window")), []).append(
                 (row["mean_output_tokens"], row["speedup"])
             )
-    for (system, tau), points in series.items():
+    for (system, tau, window), points in series.items():
         points.sort()
         label = system if tau is None else f"{system} τ={tau:g}"
+        label += "" if window is None else f" w{window}"
         ax.plot(*zip(*points, strict=True), marker="o", label=label, color=_color(system))
     ax.axhline(1.0, ls="--", lw=1, color=_color(reference), label=reference)
     ax.set_xlabel("output tokens (bucket mean)")
@@ -94,4 +96,35 @@ def speedup_figure(length_rows: Sequence[Mapping[str, Any]], reference: str = "a
     ax.set_title("Speed-up by output length (batch 1)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
+    return fig
+
+
+def speedup_by_batch_figure(bench_rows: Sequence[Mapping[str, Any]], reference: str = "ar_rl") -> Figure:
+    """Speed-up over `reference` (same batch size, same grammar flag) against batch size.
+
+    One line per system at its operating point (`generate` included); solid = under the answer
+    grammar (as served), dashed = free. Sweep rows (not operating points) belong to the frontier.
+    """
+    fig = Figure(figsize=(7.0, 4.5), layout="constrained")
+    ax = fig.add_subplot()
+    series: dict[tuple[str, Any, Any, bool], list[tuple[int, float]]] = {}
+    for row in bench_rows:
+        if row["operating_point"] and row["system"] != reference and row["speedup_vs_ar"] is not None:
+            key = (row["system"], row["tau"], row["window"], row["constrained"])
+            series.setdefault(key, []).append((row["batch_size"], row["speedup_vs_ar"]))
+    for (system, tau, window, constrained), points in series.items():
+        points.sort()
+        label = system if tau is None else f"{system} τ={tau:g}"
+        label += ("" if window is None else f" w{window}") + (" (grammar)" if constrained else " (free)")
+        style = "-" if constrained else "--"
+        ax.plot(*zip(*points, strict=True), style, marker="o", label=label, color=_color(system))
+    ax.axhline(1.0, ls=":", lw=1, color=_color(reference), label=f"{reference} (= 1)")
+    ax.set_xscale("log", base=2)
+    sizes = sorted({int(r["batch_size"]) for r in bench_rows})
+    ax.set_xticks(sizes, [str(b) for b in sizes])
+    ax.set_xlabel("batch size")
+    ax.set_ylabel(f"speed-up vs {reference} (output tokens/s)")
+    ax.set_title("Speed-up by batch size, at each system's operating point")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
     return fig

@@ -1,4 +1,4 @@
-"""benchmark node: decode throughput of the AR teacher and the diffusion systems in one run (DESIGN §8)."""
+"""benchmark node: decode throughput of ar_rl, `generate` and the diffusion systems in one run (DESIGN §8)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,18 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
 from diffusion_gr2.core.rank.benchmark import BenchmarkConfig, benchmark_requests
-from diffusion_gr2.core.rank.plots import speedup_figure
+from diffusion_gr2.core.rank.plots import speedup_by_batch_figure, speedup_figure
 from diffusion_gr2.core.rank.rerank import RerankConfig, system_key
 from diffusion_gr2.core.tracking.mlflow_utils import as_metrics_history
+
+MEASURED = (
+    "output_tokens_per_s",
+    "nfe_per_sample",
+    "tokens_per_forward",
+    "latency_p50_ms",
+    "latency_p95_ms",
+    "speedup_vs_ar",
+)  # what each row logs to MLflow
 
 
 def _cores() -> int:
@@ -20,30 +29,30 @@ def _cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
+def _metric_name(row: dict[str, Any]) -> str:
+    """`rl.tau0.9.w4.b16.grammar` / `generate.b1.free`: one benchmark row in metric names."""
+    grammar = "grammar" if row["constrained"] else "free"
+    return f"{system_key(row['system'], row['tau'], row['window'])}.b{row['batch_size']}.{grammar}"
+
+
 def benchmark_decoding(
     requests: pd.DataFrame,
     tokenizer: PreTrainedTokenizerFast,
+    operating_point: dict[str, Any],
     params: dict[str, Any],
     **models: PreTrainedModel,
 ) -> dict[str, Any]:
-    """Time every system on the first `n_prompts` test requests, at each tau and batch size."""
+    """Time ar_rl, `generate`, every diffusion system at its operating point and the tau sweep."""
     torch.set_num_threads(params["num_threads"] or _cores())  # the benchmark owns the process
     decoding, config = RerankConfig(**params["decoding"]), BenchmarkConfig.from_params(params["timing"])
-    result = benchmark_requests(models, requests, tokenizer, decoding, config, params["split"])
-    measured = (
-        "output_tokens_per_s",
-        "nfe_per_sample",
-        "tokens_per_forward",
-        "latency_p50_ms",
-        "latency_p95_ms",
+    result = benchmark_requests(
+        models, requests, tokenizer, decoding, config, params["split"], operating_points=operating_point
     )
-    metrics = {
-        f"{system_key(r['system'], r['tau'])}.b{r['batch_size']}": {k: r[k] for k in measured}
-        for r in result.rows
-    }
+    metrics = {_metric_name(r): {k: r[k] for k in MEASURED} for r in result.rows}
     return {
         "benchmark": result.rows,
         "speedup_by_length": result.length_rows,
         "benchmark_metrics": as_metrics_history(metrics),
         "speedup_plot": speedup_figure(result.length_rows, config.reference),
+        "batch_plot": speedup_by_batch_figure(result.rows, config.reference),
     }

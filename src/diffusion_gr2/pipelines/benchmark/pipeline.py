@@ -1,4 +1,4 @@
-"""benchmark: decode speed of `ar_rl` against the diffusion systems, same machine, one run."""
+"""benchmark: decode speed of `ar_rl`, `generate` and the diffusion systems, same machine, one run."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ def create_pipeline(systems: Sequence[str] = BENCHMARK_SYSTEMS, **kwargs) -> Pip
                 inputs={
                     "requests": "requests",
                     "tokenizer": "tokenizer",
+                    "operating_point": "operating_point",  # written by `inference` (chosen on validation)
                     "params": "params:benchmark",
                     **models,
                 },
@@ -29,6 +30,7 @@ def create_pipeline(systems: Sequence[str] = BENCHMARK_SYSTEMS, **kwargs) -> Pip
                     "speedup_by_length": "speedup_by_length",
                     "benchmark_metrics": "benchmark_metrics",
                     "speedup_plot": "benchmark_plot_speedup",
+                    "batch_plot": "benchmark_plot_batch",
                 },
                 name="benchmark_decoding",
             )
