@@ -344,18 +344,14 @@ def _run_block(
         if pending is None and not bool(need.any()):
             return
         fill = step == max_steps  # the cap: every remaining position is filled, so the whole block is fed
-        if k == 1:
-            fed, lo = torch.zeros_like(need, dtype=torch.long), 0
-            q = 0
-        else:
-            fed = _fed_width(blk.masked, None if fill else cfg.window)
-            # one host read: the widest row's canvas, and the first position still masked in any row
-            # that needs this forward (everything left of it is committed everywhere)
-            leftmost = torch.where(blk.masked & need[:, None], _COLS[:k].to(fed.device), k).min()
-            q, first = torch.stack([fed.max(), leftmost]).tolist()
-            lo = 0 if pending is not None else max(1, min(first, q - 1))
-        canvas_valid = torch.arange(q, device=fed.device) < fed[:, None] if q else None
-        logits = runner.forward(pending, blk.tokens[:, :q] if q else None, canvas_valid, lo)  # [b, m, v]
+        fed = _fed_width(blk.masked, None if fill else cfg.window)
+        # one host read: the widest row's canvas, and the first position still masked in any row
+        # that needs this forward (everything left of it is committed everywhere)
+        leftmost = torch.where(blk.masked & need[:, None], _COLS[:k].to(fed.device), k).min()
+        q, first = torch.stack([fed.max(), leftmost]).tolist()
+        lo = 0 if pending is not None else max(1, min(first, q - 1))
+        canvas_valid = torch.arange(q, device=fed.device) < fed[:, None]
+        logits = runner.forward(pending, blk.tokens[:, :q], canvas_valid, lo)  # [b, m, v]
         need = need | (pending is not None)  # the first forward also writes the clean part: all rows
         pending = None
         tokens, logps = _choose(logits, cfg, gen)
@@ -381,8 +377,32 @@ def _run_block(
                 gen,
             )
             blk.forced += torch.tensor(fixes, device=blk.forced.device)
-        blk.apply(commit, tokens, logps, step if k > 1 else 0, lo)  # AR: no canvas, step 0 as before
+        blk.apply(commit, tokens, logps, step, lo)
         blk.nfe += need
+
+
+def _first_token(
+    runner: _CachedRunner | _RecomputeRunner,
+    pending: Tensor | None,
+    blk: _Block,
+    cfg: DecodeConfig,
+    gen: torch.Generator,
+    constraints: Sequence[TokenConstraint | None] | None,
+    budgets: Sequence[int],
+) -> None:
+    """One forward of the clean tokens alone; its last logit is the block's first token (step 0).
+
+    AR decoding is this and nothing else, one forward per token, so it is kept free of the canvas
+    bookkeeping of `_run_block`.
+    """
+    first = runner.forward(pending, None, None)  # [b, 1, v]
+    tokens, logps = _choose(first, cfg, gen)
+    commit = torch.ones_like(tokens, dtype=torch.bool)
+    if constraints is not None:
+        fixes = _constrain_commits(constraints, first, tokens, logps, commit, budgets, True, cfg, gen)
+        blk.forced += torch.tensor(fixes, device=blk.forced.device)
+    blk.apply(commit, tokens, logps, 0, 0)
+    blk.nfe += 1
 
 
 def left_pad_prompts(
@@ -470,17 +490,11 @@ def _decode_batch(
         rows = None if constraints is None else [constraints[r] for r in active]
         budgets = [cfg.max_new_tokens - len(records[r].tokens) for r in active]
         blk = _Block.empty(len(active), k, mask_id, dev)
-        if not cfg.fused and k > 1:  # the block's own forward writes it; its last logit starts the next
-            first = runner.forward(pending, None, None)  # [b, 1, v]
-            commit = torch.ones(len(active), 1, dtype=torch.bool, device=dev)
-            tokens, logps = _choose(first, cfg, gen)
-            if rows is not None:
-                fixes = _constrain_commits(rows, first, tokens, logps, commit, budgets, True, cfg, gen)
-                blk.forced += torch.tensor(fixes, device=dev)
-            blk.apply(commit, tokens, logps, 0, 0)
-            blk.nfe += 1
+        if k == 1 or not cfg.fused:  # the clean part's forward alone gives the block's first token
+            _first_token(runner, pending, blk, cfg, gen, rows, budgets)
             pending = None
-        _run_block(runner, pending, blk, cfg, limit, eos_t, gen, rows, budgets)
+        if k > 1:
+            _run_block(runner, pending, blk, cfg, limit, eos_t, gen, rows, budgets)
         keep = _record_block(records, active, blk, limit, eos, last_block=b_idx == n_blocks - 1)
         if not keep:
             break
