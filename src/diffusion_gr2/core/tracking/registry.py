@@ -1,0 +1,209 @@
+"""Model registry: versions, the `challenger`/`champion` aliases, promotion and rollback (DESIGN §9).
+
+Two registered models: ``diffusion-gr2`` (the served block-diffusion re-ranker, system ``rl``) and
+``diffusion-gr2-teacher`` (the AR teacher ``ar_rl``). Each version is an MLflow pyfunc model
+(`serving.RerankerModel`) holding the model folder, the item catalogue and the serving settings; its
+operating point (tau, window), decoding settings and lineage facts are version tags too, so they are
+visible in the UI and travel with the version.
+
+`challenger` always points at the newest version, `champion` at the one served. Promotion moves
+`champion` and records the version it replaced (tag ``previous_champion``); rollback moves it back
+to that version (or to one named explicitly) and records why.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import tempfile
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import mlflow
+import pandas as pd
+from mlflow import MlflowClient
+from mlflow.exceptions import MlflowException
+
+from diffusion_gr2.core.tracking.serving import INPUT_EXAMPLE, SIGNATURE, RerankerModel, ServingConfig
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "CHALLENGER",
+    "CHAMPION",
+    "DIFFUSION_MODEL",
+    "TEACHER_MODEL",
+    "VersionRef",
+    "alias_version",
+    "promote",
+    "register_reranker",
+    "rollback",
+    "version_summary",
+]
+
+DIFFUSION_MODEL = "diffusion-gr2"
+TEACHER_MODEL = "diffusion-gr2-teacher"
+CHALLENGER, CHAMPION = "challenger", "champion"
+
+
+@dataclass(frozen=True)
+class VersionRef:
+    """One registered version."""
+
+    name: str
+    version: str
+    run_id: str | None
+
+    @property
+    def uri(self) -> str:
+        return f"models:/{self.name}/{self.version}"
+
+
+def _requirements() -> list[str]:
+    """The serving environment's pins (the project's own lock decides them; `--env-manager local`)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    pins = []
+    for package in ("mlflow", "torch", "transformers", "tokenizers", "pandas", "pyarrow"):
+        try:
+            pins.append(f"{package}=={version(package)}")
+        except PackageNotFoundError:
+            continue
+    return pins
+
+
+def _serving_tags(config: ServingConfig) -> dict[str, str]:
+    """Version tags that say how the version serves (operating point and decoding settings)."""
+    tags = {
+        "system": config.system,
+        "operating_point.tau": "none" if config.tau is None else f"{config.tau:g}",
+        "operating_point.window": "none" if config.window is None else str(config.window),
+    }
+    tags |= {f"decoding.{k}": json.dumps(v) for k, v in sorted(config.decoding.items())}
+    return tags
+
+
+def register_reranker(
+    name: str,
+    model_dir: str | Path,
+    items: pd.DataFrame,
+    sids: pd.DataFrame,
+    config: ServingConfig,
+    tags: Mapping[str, str] | None = None,
+    client: MlflowClient | None = None,
+) -> VersionRef:
+    """Log `model_dir` as a pyfunc model in the active run, register it as a new version of `name`.
+
+    The new version gets the `challenger` alias, its serving settings and `tags` as version tags.
+    Without an active run a run named ``register-<name>`` is opened for it.
+    """
+    client = client or MlflowClient()
+    with tempfile.TemporaryDirectory() as tmp:
+        catalogue = Path(tmp) / "catalogue"
+        catalogue.mkdir()
+        items.to_parquet(catalogue / "items.parquet", index=False)
+        sids.to_parquet(catalogue / "sids.parquet", index=False)
+        serving = Path(tmp) / "serving.json"
+        serving.write_text(config.to_json())
+        artifacts = {"model": str(model_dir), "catalogue": str(catalogue), "serving": str(serving)}
+        own_run = mlflow.active_run() is None
+        run = mlflow.start_run(run_name=f"register-{name}") if own_run else mlflow.active_run()
+        try:
+            info = mlflow.pyfunc.log_model(
+                name=name,
+                python_model=RerankerModel(),
+                artifacts=artifacts,
+                signature=SIGNATURE,
+                input_example=None,
+                registered_model_name=name,
+                # Named, not inferred: inference loads the model in a subprocess (minutes on a CPU).
+                pip_requirements=_requirements(),
+                metadata={"serving": json.loads(config.to_json()), "input_example": INPUT_EXAMPLE},
+            )
+        finally:
+            if own_run:
+                mlflow.end_run()
+    version = str(info.registered_model_version)
+    for key, value in {**_serving_tags(config), **(tags or {})}.items():
+        client.set_model_version_tag(name, version, key, str(value))
+    client.set_registered_model_alias(name, CHALLENGER, version)
+    logger.info("registered %s version %s (run %s) as %s", name, version, run.info.run_id, CHALLENGER)
+    return VersionRef(name, version, run.info.run_id)
+
+
+def alias_version(name: str, alias: str, client: MlflowClient | None = None) -> VersionRef | None:
+    """The version `alias` points at, or None when the alias (or the model) does not exist."""
+    client = client or MlflowClient()
+    try:
+        mv = client.get_model_version_by_alias(name, alias)
+    except MlflowException:
+        return None
+    return VersionRef(name, str(mv.version), mv.run_id)
+
+
+def promote(name: str, version: str, reason: str, client: MlflowClient | None = None) -> VersionRef:
+    """Point `champion` at `version`; the version it replaces is recorded on the new champion."""
+    client = client or MlflowClient()
+    previous = alias_version(name, CHAMPION, client)
+    if previous is not None and previous.version == str(version):
+        logger.info("%s version %s is already the champion", name, version)
+        return previous
+    client.set_registered_model_alias(name, CHAMPION, str(version))
+    client.set_model_version_tag(
+        name, str(version), "previous_champion", previous.version if previous else "none"
+    )
+    client.set_model_version_tag(name, str(version), "promotion_reason", reason)
+    logger.info("%s: champion %s -> %s (%s)", name, previous.version if previous else "none", version, reason)
+    return VersionRef(name, str(version), client.get_model_version(name, str(version)).run_id)
+
+
+def rollback(
+    name: str, to_version: str | None = None, reason: str = "rollback", client: MlflowClient | None = None
+) -> VersionRef:
+    """Move `champion` back: to `to_version`, or to the version the current champion replaced.
+
+    The version rolled away from keeps its tags; the restored one records ``rolled_back_from``.
+    """
+    client = client or MlflowClient()
+    current = alias_version(name, CHAMPION, client)
+    if current is None:
+        raise MlflowException(f"{name} has no champion to roll back from")
+    target = to_version
+    if target is None:
+        target = client.get_model_version(name, current.version).tags.get("previous_champion", "none")
+        if target == "none":
+            raise MlflowException(
+                f"{name} version {current.version} replaced no earlier champion; name a version"
+            )
+    client.get_model_version(name, str(target))  # a clear error when the version does not exist
+    client.set_registered_model_alias(name, CHAMPION, str(target))
+    client.set_model_version_tag(name, str(target), "rolled_back_from", current.version)
+    client.set_model_version_tag(name, str(target), "rollback_reason", reason)
+    logger.info("%s: champion rolled back %s -> %s (%s)", name, current.version, target, reason)
+    return VersionRef(name, str(target), client.get_model_version(name, str(target)).run_id)
+
+
+def version_summary(name: str, client: MlflowClient | None = None) -> list[dict[str, Any]]:
+    """Every version of `name`, newest first, with its aliases and serving tags (for `registry show`)."""
+    client = client or MlflowClient()
+    try:
+        aliases = client.get_registered_model(name).aliases
+    except MlflowException:
+        return []
+    by_version: dict[str, list[str]] = {}
+    for alias, version in aliases.items():
+        by_version.setdefault(str(version), []).append(alias)
+    rows = []
+    for mv in client.search_model_versions(f"name = '{name}'"):
+        rows.append(
+            {
+                "version": str(mv.version),
+                "aliases": sorted(by_version.get(str(mv.version), [])),
+                "run_id": mv.run_id,
+                "tau": mv.tags.get("operating_point.tau"),
+                "gate": mv.tags.get("gate.decision", ""),
+            }
+        )
+    return sorted(rows, key=lambda r: -int(r["version"]))
