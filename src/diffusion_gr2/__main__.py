@@ -1,15 +1,89 @@
-"""``python -m diffusion_gr2`` runs the Kedro project like ``kedro run``."""
+"""``python -m diffusion_gr2``: the operations commands, or the Kedro project like ``kedro run``.
+
+python -m diffusion_gr2 lineage models:/diffusion-gr2@champion   # or a run id
+python -m diffusion_gr2 registry show
+python -m diffusion_gr2 registry promote diffusion-gr2 3
+python -m diffusion_gr2 registry rollback diffusion-gr2 [--to 2]
+python -m diffusion_gr2 [kedro run options]                        # anything else: kedro run
+"""
 
 from __future__ import annotations
 
+import argparse
+import os
 import sys
 from pathlib import Path
 
-from kedro.framework.cli.utils import find_run_command
-from kedro.framework.project import configure_project
+OPS_COMMANDS = ("lineage", "registry")
+
+
+def _mlflow_client():
+    """A client on the project's store (``MLFLOW_TRACKING_URI`` or ``sqlite:///mlflow.db``)."""
+    import mlflow
+
+    from diffusion_gr2.core.env import quiet_offline_environment
+
+    quiet_offline_environment()
+    uri = os.environ.get("MLFLOW_TRACKING_URI", "sqlite:///mlflow.db")
+    mlflow.set_tracking_uri(uri)
+    mlflow.set_registry_uri(uri)
+    return mlflow.MlflowClient()
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m diffusion_gr2", description="Diffusion-GR2 operations")
+    sub = parser.add_subparsers(dest="command", required=True)
+    lineage = sub.add_parser("lineage", help="the chain from a model version or run back to the raw files")
+    lineage.add_argument("target", help="models:/NAME@ALIAS, models:/NAME/VERSION or an MLflow run id")
+    registry = sub.add_parser("registry", help="registered versions and their aliases")
+    actions = registry.add_subparsers(dest="action", required=True)
+    show = actions.add_parser("show", help="versions, aliases, tau and gate decision")
+    show.add_argument("name", nargs="?", default=None)
+    promote = actions.add_parser("promote", help="point champion at a version")
+    promote.add_argument("name")
+    promote.add_argument("version")
+    promote.add_argument("--reason", default="manual promotion")
+    rollback = actions.add_parser("rollback", help="move champion back (to the version it replaced)")
+    rollback.add_argument("name")
+    rollback.add_argument("--to", default=None, help="the version to serve (default: the previous champion)")
+    rollback.add_argument("--reason", default="manual rollback")
+    return parser
+
+
+def ops(argv: list[str]) -> int:
+    """Run one operations command; the exit status."""
+    from diffusion_gr2.core.tracking import registry
+    from diffusion_gr2.core.tracking.lineage_report import lineage_lines
+
+    args = _parser().parse_args(argv)
+    client = _mlflow_client()
+    if args.command == "lineage":
+        sys.stdout.write("\n".join(lineage_lines(client, args.target, Path.cwd())) + "\n")
+        return 0
+    if args.action == "show":
+        for name in [args.name] if args.name else [registry.DIFFUSION_MODEL, registry.TEACHER_MODEL]:
+            for row in registry.version_summary(name, client):
+                aliases = ",".join(row["aliases"]) or "-"
+                sys.stdout.write(
+                    f"{name} v{row['version']}  aliases {aliases}  tau {row['tau']}  gate {row['gate'] or '-'}  "
+                    f"run {row['run_id']}\n"
+                )
+        return 0
+    if args.action == "promote":
+        ref = registry.promote(args.name, args.version, args.reason, client)
+    else:
+        ref = registry.rollback(args.name, args.to, args.reason, client)
+    sys.stdout.write(f"{ref.name}@{registry.CHAMPION} -> version {ref.version}\n")
+    return 0
 
 
 def main(*args, **kwargs) -> None:
+    argv = list(args[0]) if args else sys.argv[1:]
+    if argv and argv[0] in OPS_COMMANDS:
+        raise SystemExit(ops(argv))
+    from kedro.framework.cli.utils import find_run_command
+    from kedro.framework.project import configure_project
+
     package_name = Path(__file__).parent.name
     configure_project(package_name)
     run = find_run_command(package_name)

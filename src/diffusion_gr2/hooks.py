@@ -1,5 +1,5 @@
-"""Kedro hooks: lineage tags on the MLflow run that kedro-mlflow opens for each ``kedro run``, and
-schema checks on boundary datasets as they are loaded."""
+"""Kedro hooks: lineage tags on the MLflow run that kedro-mlflow opens for each ``kedro run``, every
+node's input and output hashes on that run, and schema checks on boundary datasets as they are loaded."""
 
 from __future__ import annotations
 
@@ -10,7 +10,15 @@ from typing import Any
 import mlflow
 from kedro.framework.hooks import hook_impl
 
-from diffusion_gr2.core.tracking.lineage import dvc_hashes, git_commit
+from diffusion_gr2.core.tracking.lineage import (
+    DigestCache,
+    NodeRecord,
+    add_output,
+    dvc_hashes,
+    git_commit,
+    input_record,
+    log_record,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -51,3 +59,78 @@ class BoundarySchemaHooks:
             from diffusion_gr2.core.data.schemas import validate_requests  # pandera: only when needed
 
             validate_requests(data)
+
+
+def dataset_path(catalog: Any, name: str) -> Path | None:
+    """The file or folder behind catalog entry `name`, or None (memory, metrics, parameters)."""
+    if name.startswith("params:") or name == "parameters":
+        return None
+    dataset = catalog.get(name)
+    path = getattr(dataset, "_filepath", None) or getattr(dataset, "_path", None)
+    return None if path is None else Path(str(path))
+
+
+def raw_files(params: Any) -> dict[str, Path]:
+    """The raw files `data_prep` reads (its only input is its parameters): ``raw/<name> -> path``."""
+    from diffusion_gr2.core.data.readers import detect_format, resolve_raw_folder
+
+    if not isinstance(params, dict) or "dataset" not in params:
+        return {}
+    try:
+        detected = detect_format(resolve_raw_folder(params["dataset"], params.get("raw_root", "data/01_raw")))
+    except (FileNotFoundError, ValueError):
+        return {}
+    files = [*detected.interaction_files, *detected.metadata_files]
+    return {f"raw/{path.name}": path for path in files}
+
+
+class NodeLineageHooks:
+    """Name every node's inputs and outputs, with content hashes, on the active MLflow run (DESIGN §9).
+
+    Inputs are hashed before the node runs and outputs after Kedro saved them (``after_node_run``
+    comes before the saves); the record is written once the node's last output is saved. Raw files
+    read by ``data_prep`` (its only input is ``params:data_prep``) are named as inputs too.
+    """
+
+    RAW_PARAMS = ("params:data_prep",)
+
+    def __init__(self) -> None:
+        self._digests = DigestCache()
+        self._catalog: Any = None
+        self._pending: dict[str, tuple[NodeRecord, set[str]]] = {}
+
+    @hook_impl
+    def after_catalog_created(self, catalog: Any) -> None:
+        self._catalog, self._pending = catalog, {}  # `after_dataset_saved` is not given the catalog
+
+    @hook_impl
+    def before_node_run(self, node: Any, catalog: Any, inputs: dict[str, Any]) -> None:
+        if mlflow.active_run() is None:
+            return
+        self._catalog = catalog
+        files = {name: dataset_path(catalog, name) for name in node.inputs if not name.startswith("params:")}
+        for name in self.RAW_PARAMS:
+            if name in inputs:
+                files |= raw_files(inputs[name])
+        params = [name for name in node.inputs if name.startswith("params:")]
+        self._pending[node.name] = (input_record(node.name, files, params, self._digests), set(node.outputs))
+        if not node.outputs:
+            self._flush(node.name)
+
+    @hook_impl
+    def after_dataset_saved(self, dataset_name: str, node: Any) -> None:
+        pending = self._pending.get(getattr(node, "name", ""))
+        if pending is None or self._catalog is None:
+            return
+        record, waiting = pending
+        add_output(record, dataset_name, dataset_path(self._catalog, dataset_name), self._digests)
+        waiting.discard(dataset_name)
+        if not waiting:
+            self._flush(node.name)
+
+    def _flush(self, node_name: str) -> None:
+        record, _ = self._pending.pop(node_name)
+        try:
+            log_record(record)
+        except Exception as err:  # lineage must never fail a training run; it says so instead
+            logger.warning("lineage of node %s not logged: %s", node_name, err)

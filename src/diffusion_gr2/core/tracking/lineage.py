@@ -1,10 +1,15 @@
-"""Lineage facts for run tags: the code commit and the DVC hashes of the data (DESIGN §9)."""
+"""Lineage facts for MLflow runs: the code commit, the DVC hashes, and per-node input/output hashes (DESIGN §9)."""
 
 from __future__ import annotations
 
+import hashlib
 import subprocess
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
+import mlflow
 import yaml
 
 
@@ -36,3 +41,107 @@ def dvc_hashes(project_dir: Path) -> dict[str, str]:
                 if digest:
                     tags[f"dvc.{stage}.{item['path']}"] = str(digest)
     return tags
+
+
+# ---- per-node lineage records ------------------------------------------------------------------------
+# Every node's inputs and outputs with the content hash of each file or folder, written to the MLflow
+# run (DESIGN §9): inputs through `mlflow.log_input` (what the UI shows), the full record as the
+# artifact `lineage/nodes/<node>.json` (what `lineage_report` walks), and one run tag per produced
+# hash, `lineage.produced.<md5>`, so a later run's input can be traced to the run that wrote it.
+
+NODES_ARTIFACT_DIR = "lineage/nodes"
+PRODUCED_TAG = "lineage.produced."
+
+
+def file_md5(path: Path, chunk: int = 1 << 20) -> str:
+    """MD5 of a file's bytes: the hash DVC 3 records for a file in ``dvc.lock``."""
+    digest = hashlib.md5()
+    with open(path, "rb") as handle:
+        while block := handle.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+class DigestCache:
+    """Content hashes of files and folders, memoised by (path, size, mtime) so a run hashes each once.
+
+    A folder's hash is the MD5 of its sorted ``relative-path md5`` lines, suffixed ``.dir`` as DVC
+    does for directories (the value differs from DVC's own manifest hash; it is stable and ours).
+    """
+
+    def __init__(self) -> None:
+        self._files: dict[tuple[str, int, int], str] = {}
+
+    def _file(self, path: Path) -> str:
+        stat = path.stat()
+        key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns)
+        if key not in self._files:
+            self._files[key] = file_md5(path)
+        return self._files[key]
+
+    def digest(self, path: Path | str | None) -> str | None:
+        """The hash of `path`, or None when there is nothing there."""
+        if path is None:
+            return None
+        path = Path(path)
+        if path.is_file():
+            return self._file(path)
+        if path.is_dir():
+            lines = sorted(
+                f"{p.relative_to(path).as_posix()} {self._file(p)}" for p in path.rglob("*") if p.is_file()
+            )
+            return hashlib.md5("\n".join(lines).encode()).hexdigest() + ".dir"
+        return None
+
+
+@dataclass
+class NodeRecord:
+    """One node's run: inputs and outputs as ``name -> {"path", "digest"}``; parameter names."""
+
+    node: str
+    inputs: dict[str, dict[str, str | None]] = field(default_factory=dict)
+    outputs: dict[str, dict[str, str | None]] = field(default_factory=dict)
+    params: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _entry(path: Path | str | None, digests: DigestCache) -> dict[str, str | None]:
+    return {"path": None if path is None else str(path), "digest": digests.digest(path)}
+
+
+def input_record(
+    node: str, inputs: Mapping[str, Path | str | None], params: list[str], digests: DigestCache
+) -> NodeRecord:
+    """The record of a node about to run: its inputs hashed as they are now."""
+    return NodeRecord(node, {name: _entry(p, digests) for name, p in inputs.items()}, {}, sorted(params))
+
+
+def add_output(record: NodeRecord, name: str, path: Path | str | None, digests: DigestCache) -> None:
+    """Add one saved output (hashed after it was written)."""
+    record.outputs[name] = _entry(path, digests)
+
+
+def log_record(record: NodeRecord) -> None:
+    """Write `record` to the active MLflow run: dataset inputs, produced-hash tags, the JSON record."""
+    if mlflow.active_run() is None:
+        return
+    from mlflow.data.dataset_source_registry import resolve_dataset_source
+    from mlflow.data.meta_dataset import MetaDataset
+
+    for name, entry in record.inputs.items():
+        if entry["digest"] is None or entry["path"] is None:
+            continue
+        source = resolve_dataset_source(str(Path(entry["path"]).resolve()))
+        kind = "model" if name.startswith("model_") or entry["digest"].endswith(".dir") else "dataset"
+        dataset = MetaDataset(source=source, name=name, digest=entry["digest"])
+        mlflow.log_input(dataset, context=record.node, tags={"kind": kind})
+    tags = {
+        f"{PRODUCED_TAG}{entry['digest']}": name
+        for name, entry in record.outputs.items()
+        if entry["digest"] is not None
+    }
+    if tags:
+        mlflow.set_tags(tags)
+    mlflow.log_dict(record.as_dict(), f"{NODES_ARTIFACT_DIR}/{record.node}.json")

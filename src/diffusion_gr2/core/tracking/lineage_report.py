@@ -1,0 +1,208 @@
+"""`python -m diffusion_gr2 lineage TARGET`: the chain from a model back to the raw files (DESIGN §9).
+
+TARGET is a registered version (``models:/diffusion-gr2@champion``, ``models:/diffusion-gr2/3``) or
+an MLflow run id. The walk starts from the hashes the target names (a version: its model folder; a
+run: every output of its nodes that no node of the run read) and follows each hash to the node that
+wrote it, using the node records `lineage.log_record` stored on the runs: first within the same
+run, then any run tagged as having produced that hash. Each node is printed with its run, git
+commit, key parameters and metrics; each input with its hash and whether the file on disk still has
+it (``CHANGED`` or ``MISSING`` otherwise). Inputs nobody produced are the raw files.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from mlflow import MlflowClient
+from mlflow.entities import Run
+
+from diffusion_gr2.core.tracking.lineage import NODES_ARTIFACT_DIR, PRODUCED_TAG, DigestCache
+
+__all__ = ["KEY_PARAM_WORDS", "Lineage", "lineage_lines", "resolve_target"]
+
+# Parameters worth a line in the printout (the rest are in the MLflow UI).
+KEY_PARAM_WORDS = (
+    "max_steps",
+    "lr",
+    "learning_rate",
+    "block_size",
+    "seed",
+    "k_core",
+    "dataset",
+    "taus",
+    "n_items",
+)
+MAX_PARAMS, MAX_METRICS = 6, 6
+
+
+@dataclass
+class Lineage:
+    """Node records of the runs seen so far, and which (run, node) already printed."""
+
+    client: MlflowClient
+    root: Path  # where relative paths in the records are resolved (the project root)
+    digests: DigestCache = field(default_factory=DigestCache)
+    _records: dict[str, dict[str, dict[str, Any]]] = field(default_factory=dict)
+    _runs: dict[str, Run] = field(default_factory=dict)
+    _printed: set[tuple[str, str]] = field(default_factory=set)
+
+    def run(self, run_id: str) -> Run:
+        if run_id not in self._runs:
+            self._runs[run_id] = self.client.get_run(run_id)
+        return self._runs[run_id]
+
+    def records(self, run_id: str) -> dict[str, dict[str, Any]]:
+        """``node -> record`` of one run (downloaded once)."""
+        if run_id not in self._records:
+            found: dict[str, dict[str, Any]] = {}
+            with tempfile.TemporaryDirectory() as tmp:
+                try:
+                    local = self.client.download_artifacts(run_id, NODES_ARTIFACT_DIR, tmp)
+                except Exception:  # a run without node records (older, or not a Kedro run)
+                    local = None
+                if local is not None:
+                    for path in sorted(Path(local).glob("*.json")):
+                        record = json.loads(path.read_text())
+                        found[record["node"]] = record
+            self._records[run_id] = found
+        return self._records[run_id]
+
+    def producer(self, name: str, digest: str, prefer_run: str | None) -> tuple[str, dict[str, Any]] | None:
+        """(run id, node record) that wrote `name` with hash `digest`: the preferred run first, then tagged runs.
+
+        The name must match too: two stages can write byte-identical folders (an RL stage that made
+        no update leaves its input's weights), and only the name says which one was read.
+        """
+        candidates = [prefer_run] if prefer_run else []
+        tag = f"tags.`{PRODUCED_TAG}{digest}`"
+        experiments = [e.experiment_id for e in self.client.search_experiments()]
+        runs = self.client.search_runs(experiments, f"{tag} != ''", order_by=["attributes.start_time DESC"])
+        candidates += [r.info.run_id for r in runs]
+        for run_id in candidates:
+            for record in self.records(run_id).values():
+                if record["outputs"].get(name, {}).get("digest") == digest:
+                    return run_id, record
+        return None
+
+    def disk_state(self, entry: dict[str, Any]) -> str:
+        """``ok``, ``CHANGED (now <md5>)`` or ``MISSING``: the file on disk against the recorded hash."""
+        if entry.get("path") is None:
+            return "in memory"
+        path = Path(entry["path"])
+        now = self.digests.digest(path if path.is_absolute() else self.root / path)
+        if now is None:
+            return "MISSING on disk"
+        return "ok" if now == entry["digest"] else f"CHANGED on disk (now {now[:12]})"
+
+
+def _short(digest: str | None) -> str:
+    return "-" if digest is None else digest[:12] + (".dir" if digest.endswith(".dir") else "")
+
+
+def _prefixes(record: dict[str, Any]) -> list[str]:
+    return [p.removeprefix("params:").split(".")[0] + "." for p in record.get("params", [])]
+
+
+def _key_params(run: Run, record: dict[str, Any]) -> list[str]:
+    prefixes = _prefixes(record)
+    own = sorted(k for k in run.data.params if any(k.startswith(p) for p in prefixes))
+    key = [k for k in own if any(w in k.rsplit(".", 1)[-1] for w in KEY_PARAM_WORDS)] or own
+    return [f"{k}={run.data.params[k]}" for k in key[:MAX_PARAMS]]
+
+
+def _key_metrics(run: Run, record: dict[str, Any]) -> list[str]:
+    prefixes = _prefixes(record)
+    own = sorted(k for k in run.data.metrics if any(k.startswith(p) for p in prefixes))
+    return [f"{k}={run.data.metrics[k]:.4g}" for k in own[:MAX_METRICS]]
+
+
+def _node_lines(lineage: Lineage, run_id: str, record: dict[str, Any], indent: str) -> Iterator[str]:
+    run = lineage.run(run_id)
+    tags = run.data.tags
+    commit = tags.get("git_commit", "unknown")[:12] + (" (dirty)" if tags.get("git_dirty") == "true" else "")
+    yield f"{indent}node {record['node']}  run {run_id}  git {commit}  pipeline {tags.get('pipeline', '?')}"
+    if params := _key_params(run, record):
+        yield f"{indent}  params: {', '.join(params)}"
+    if metrics := _key_metrics(run, record):
+        yield f"{indent}  metrics: {', '.join(metrics)}"
+
+
+def walk(lineage: Lineage, name: str, entry: dict[str, Any], run_id: str | None, depth: int) -> Iterator[str]:
+    """Lines for one artifact (`name` with its recorded hash) and, recursively, what it was made from."""
+    indent = "  " * depth
+    digest = entry.get("digest")
+    yield f"{indent}- {name}  md5 {_short(digest)}  [{lineage.disk_state(entry)}]  {entry.get('path') or ''}"
+    if digest is None:
+        return
+    found = lineage.producer(name, digest, run_id)
+    if found is None:
+        kind = (
+            "raw file"
+            if name.startswith("raw/") or "01_raw" in str(entry.get("path"))
+            else "no producer on record"
+        )
+        yield f"{indent}  ({kind})"
+        return
+    producer_run, record = found
+    key = (producer_run, record["node"])
+    if key in lineage._printed:
+        yield f"{indent}  <- node {record['node']} of run {producer_run} (shown above)"
+        return
+    lineage._printed.add(key)
+    yield from _node_lines(lineage, producer_run, record, indent + "  <- ")
+    for child, child_entry in sorted(record["inputs"].items()):
+        yield from walk(lineage, child, child_entry, producer_run, depth + 2)
+
+
+def resolve_target(client: MlflowClient, target: str) -> tuple[list[str], str, dict[str, dict[str, Any]]]:
+    """Header lines, the run to start in, and the starting artifacts (``name -> {path, digest}``)."""
+    if target.startswith("models:/"):
+        ref = target.removeprefix("models:/")
+        if "@" in ref:
+            name, alias = ref.split("@", 1)
+            mv = client.get_model_version_by_alias(name, alias)
+        else:
+            name, version = ref.rsplit("/", 1)
+            mv = client.get_model_version(name, version)
+        tags = mv.tags
+        header = [
+            f"{mv.name} version {mv.version}  aliases {sorted(getattr(mv, 'aliases', []) or [])}  "
+            f"run {mv.run_id}  system {tags.get('system', '?')}  tau {tags.get('operating_point.tau', '?')}  "
+            f"window {tags.get('operating_point.window', '?')}  gate {tags.get('gate.decision', '-')}"
+        ]
+        start = {
+            tags.get("lineage.model.name", "model"): {
+                "path": tags.get("lineage.model.path"),
+                "digest": tags.get("lineage.model.digest"),
+            }
+        }
+        return header, tags.get("lineage.model.run_id", mv.run_id), start
+    lineage = Lineage(client, Path.cwd())
+    records = lineage.records(target)
+    read = {e["digest"] for r in records.values() for e in r["inputs"].values()}
+    start = {
+        name: entry
+        for r in records.values()
+        for name, entry in r["outputs"].items()
+        if entry["digest"] is not None and entry["digest"] not in read
+    }
+    return [f"run {target}: {len(records)} nodes recorded, {len(start)} final outputs"], target, start
+
+
+def lineage_lines(client: MlflowClient, target: str, root: Path | None = None) -> list[str]:
+    """The whole printout for `target` (see the module docstring)."""
+    header, run_id, start = resolve_target(client, target)
+    lineage = Lineage(client, root or Path.cwd())
+    lines = list(header)
+    for name, entry in sorted(start.items()):
+        lines += list(walk(lineage, name, entry, run_id, 0))
+    changed = sum("CHANGED" in line or "MISSING" in line for line in lines)
+    lines.append(
+        f"{changed} input(s) no longer match the file on disk" if changed else "every hash matches the disk"
+    )
+    return lines
