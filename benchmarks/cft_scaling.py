@@ -73,7 +73,8 @@ def main() -> None:
         model.eval()
         if args.save is not None:
             save_model(model, tokenizer, args.save / f"cft{steps}")
-        rows = rerank_system(model, requests, tokenizer, "cft", args.taus, decoding)
+        settings = [(tau, None) for tau in args.taus]
+        rows, _ = rerank_system(model, requests, tokenizer, "cft", settings, decoding)
         for metrics in stage_metrics(rows, n_boot=1000):
             group = rows[rows["tau"].astype("float64") == metrics["tau"]]
             results.append(
