@@ -12,7 +12,7 @@ export KEDRO_DISABLE_TELEMETRY=1 DO_NOT_TRACK=1 MLFLOW_DISABLE_TELEMETRY=true DV
 export HF_HUB_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1 TRANSFORMERS_OFFLINE=1 GX_ANALYTICS_ENABLED=False
 PIP_QUIET := 2>&1 | { grep -v "^WARNING: Location" || true; }
 
-.PHONY: setup run test lint format benchmark mlflow-ui dvc-repro clean
+.PHONY: setup run test lint format benchmark mlflow-ui dvc-repro clean retrain register serve viz
 
 $(STAMP): requirements/lock.txt pyproject.toml
 	@command -v $(PYTHON) >/dev/null || { echo "$(PYTHON) not found: set PYTHON=/path/to/python3.11"; exit 1; }
@@ -54,6 +54,26 @@ dvc-repro: setup
 
 mlflow-ui: setup
 	$(BIN)/mlflow ui --backend-store-uri $${MLFLOW_TRACKING_URI:-sqlite:///mlflow.db} --host 127.0.0.1 --port 5000 --workers 1
+
+# Operations (docs/operations.md). Fresh interaction files go to data/01_raw/incoming/ first.
+PORT ?= 5001
+VIZ_PORT ?= 4141
+MODEL ?= models:/diffusion-gr2@champion
+
+retrain: setup
+	$(BIN)/kedro run --pipelines retrain
+
+register: setup
+	$(BIN)/kedro run --pipelines register
+
+serve: setup
+	@# --env-manager local: the project's own .venv serves the model (nothing is downloaded).
+	PATH=$(abspath $(BIN)):$$PATH MLFLOW_TRACKING_URI=$${MLFLOW_TRACKING_URI:-sqlite:///mlflow.db} \
+	  MLFLOW_SCORING_SERVER_REQUEST_TIMEOUT=$${MLFLOW_SCORING_SERVER_REQUEST_TIMEOUT:-300} \
+	  $(BIN)/mlflow models serve -m $(MODEL) --env-manager local -h 127.0.0.1 -p $(PORT) -w 1
+
+viz: setup
+	$(BIN)/kedro viz run --host 127.0.0.1 --port $(VIZ_PORT) --no-browser
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

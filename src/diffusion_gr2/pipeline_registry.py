@@ -5,6 +5,8 @@ from __future__ import annotations
 from kedro.framework.project import find_pipelines
 from kedro.pipeline import Pipeline
 
+from diffusion_gr2.pipelines.retrain import registration_pipeline, retrain_pipeline
+
 # `__default__` runs data_prep through evaluation; later stages join as they are built.
 DEFAULT_STAGES = (
     "data_prep",
@@ -26,4 +28,7 @@ def register_pipelines() -> dict[str, Pipeline]:
     pipelines["__default__"] = sum(
         (pipelines[name] for name in DEFAULT_STAGES if name in pipelines), Pipeline([])
     )
+    # retrain reruns the training stages between its ingest and its gate; register is the last part alone.
+    pipelines["retrain"] = retrain_pipeline()
+    pipelines["register"] = registration_pipeline()
     return pipelines

@@ -1,0 +1,139 @@
+"""The promotion gate: challenger against champion on the same newest requests (DESIGN §9).
+
+The held-out requests are the test requests whose target is newest in time (the last
+`slice_share` of them by target timestamp), in raw item ids so that models trained on different
+data preparations (different internal ids, SIDs and tokenizers) are asked exactly the same thing.
+A request a compared model cannot serve (an item outside its catalogue) is left out for all.
+
+Thresholds go through `mlflow.validate_evaluation_results`: R@1 no worse than the champion's by
+more than `margin`, the served valid rate at least `min_valid_rate`, and the challenger's decoding
+speed (output tokens per second) at least `min_speed_ratio` times the AR teacher's on the same
+requests.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import mlflow
+import pandas as pd
+from mlflow.models import MetricThreshold
+from mlflow.models.evaluation import EvaluationResult
+from mlflow.models.evaluation.validation import ModelValidationFailedException
+
+from diffusion_gr2.core.tracking.serving import Ranker, RequestError, parse_request
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["GateConfig", "decide", "newest_slice", "score", "servable"]
+
+
+@dataclass(frozen=True)
+class GateConfig:
+    """Which requests the gate uses and what a challenger must reach."""
+
+    slice_share: float = 0.1  # newest share of the test requests (by target time)
+    max_requests: int = 200  # at most this many of them (CPU time)
+    margin: float = 0.02  # R@1 may be this much below the champion's
+    min_valid_rate: float = 0.99  # served (after the grammar) valid answers
+    min_speed_ratio: float = 1.0  # challenger output tokens/s over the AR teacher's
+
+
+def newest_slice(
+    candidates: pd.DataFrame, splits: pd.DataFrame, items: pd.DataFrame, config: GateConfig
+) -> pd.DataFrame:
+    """Test requests with the newest targets, in raw ids: ``request_id, history, candidates, target, timestamp``."""
+    raw_of = dict(zip(items["item_id"].astype(int), items["raw_item_id"].astype(str), strict=True))
+    test = candidates[candidates["split"] == "test"].merge(
+        splits[["user_id", "test_timestamp"]], on="user_id"
+    )
+    test = test.sort_values(["test_timestamp", "user_id"], ascending=[False, True], kind="stable")
+    n = min(max(1, round(len(test) * config.slice_share)), config.max_requests, len(test))
+    rows = test.head(n)
+    return pd.DataFrame(
+        {
+            "request_id": [f"user-{u}" for u in rows["user_id"]],
+            "history": [[raw_of[int(i)] for i in h] for h in rows["history"]],
+            "candidates": [[raw_of[int(i)] for i in c] for c in rows["candidates"]],
+            "target": [raw_of[int(t)] for t in rows["target"]],
+            "timestamp": rows["test_timestamp"].astype("int64").to_numpy(),
+        }
+    ).reset_index(drop=True)
+
+
+def servable(requests: pd.DataFrame, rankers: Sequence[Ranker]) -> pd.DataFrame:
+    """The requests every ranker can serve (each item in every catalogue)."""
+    keep = []
+    for i, record in enumerate(requests.to_dict("records")):
+        try:
+            for ranker in rankers:
+                parse_request(i, record, ranker.known, ranker.limits)
+            keep.append(i)
+        except RequestError as err:
+            logger.info("gate: request %s left out: %s", record.get("request_id"), err.message)
+    return requests.iloc[keep].reset_index(drop=True)
+
+
+def score(ranker: Ranker, requests: pd.DataFrame) -> dict[str, float]:
+    """R@1, served and unforced valid rates and output tokens per second of `ranker` on `requests`."""
+    records = requests.to_dict("records")
+    answers: list[dict[str, Any]] = []
+    start = time.perf_counter()
+    for lo in range(0, len(records), ranker.limits.max_requests):
+        answers += ranker.rank(ranker.parse(records[lo : lo + ranker.limits.max_requests]))
+    seconds = time.perf_counter() - start
+    hits = [a["ranking"][0] == r["target"] for a, r in zip(answers, records, strict=True)]
+    n = max(len(answers), 1)
+    return {
+        "n": float(len(answers)),
+        "recall@1": sum(hits) / n,
+        "valid_rate": sum(a["valid"] for a in answers) / n,
+        "unforced_rate": sum(a["unforced"] for a in answers) / n,
+        "output_tokens_per_s": sum(a["output_tokens"] for a in answers) / max(seconds, 1e-9),
+    }
+
+
+def decide(
+    challenger: dict[str, float],
+    champion: dict[str, float] | None,
+    teacher: dict[str, float],
+    config: GateConfig,
+) -> dict[str, Any]:
+    """Promote or refuse, with every number and, on refusal, MLflow's reasons."""
+    numbers = {
+        "challenger.recall@1": challenger["recall@1"],
+        "champion.recall@1": champion["recall@1"] if champion else None,
+        "recall@1_vs_champion": challenger["recall@1"] - champion["recall@1"] if champion else 0.0,
+        "valid_rate": challenger["valid_rate"],
+        "unforced_rate": challenger["unforced_rate"],
+        "speed_ratio_vs_ar_rl": challenger["output_tokens_per_s"] / max(teacher["output_tokens_per_s"], 1e-9),
+        "n_requests": challenger["n"],
+    }
+    thresholds = {
+        "recall@1_vs_champion": MetricThreshold(threshold=-config.margin, greater_is_better=True),
+        "valid_rate": MetricThreshold(threshold=config.min_valid_rate, greater_is_better=True),
+        "speed_ratio_vs_ar_rl": MetricThreshold(threshold=config.min_speed_ratio, greater_is_better=True),
+    }
+    metrics = {k: float(numbers[k]) for k in thresholds}
+    try:
+        mlflow.validate_evaluation_results(thresholds, EvaluationResult(metrics, {}, run_id="gate"))
+        decision, reasons = "promote", "every threshold met" + ("" if champion else " (no champion yet)")
+    except ModelValidationFailedException as err:
+        decision, reasons = "refuse", err.message
+    return {
+        "decision": decision,
+        "reasons": reasons,
+        "numbers": numbers,
+        "thresholds": {
+            "margin": config.margin,
+            "min_valid_rate": config.min_valid_rate,
+            "min_speed_ratio": config.min_speed_ratio,
+        },
+        "champion_metrics": champion,
+        "challenger_metrics": challenger,
+        "teacher_metrics": teacher,
+    }

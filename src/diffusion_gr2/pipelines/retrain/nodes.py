@@ -1,0 +1,149 @@
+"""retrain nodes: take in fresh files, register the new models, gate and promote (DESIGN §9)."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import mlflow
+import pandas as pd
+from mlflow import MlflowClient
+
+from diffusion_gr2.core.tracking import registry
+from diffusion_gr2.core.tracking.gate import GateConfig, decide, newest_slice, score, servable
+from diffusion_gr2.core.tracking.ingest import IngestConfig, acquire_lock, ingest, release_lock
+from diffusion_gr2.core.tracking.lineage import DigestCache
+from diffusion_gr2.core.tracking.mlflow_utils import as_metrics_history
+from diffusion_gr2.core.tracking.serving import Ranker, ServingConfig
+
+logger = logging.getLogger(__name__)
+
+
+def take_in_incoming(params: dict[str, Any]) -> dict[str, Any]:
+    """Hold the retrain lock, then validate and merge the incoming files (the report says what happened)."""
+    acquire_lock(params["lock_file"])
+    return ingest(IngestConfig(**params["ingest"]))
+
+
+def after_ingest(prepare: Callable[[dict[str, Any]], dict[str, Any]]) -> Callable[..., dict[str, Any]]:
+    """`data_prep`'s node, made to wait for the ingest (its only input is its parameters)."""
+
+    def prepare_dataset(params: dict[str, Any], ingest_report: dict[str, Any]) -> dict[str, Any]:
+        return prepare(params)
+
+    prepare_dataset.__doc__ = prepare.__doc__
+    return prepare_dataset
+
+
+def _serving(
+    system: str, params: dict[str, Any], traces: dict[str, Any], inference: dict[str, Any]
+) -> tuple[ServingConfig, str]:
+    """The serving settings of `system`: operating point, the inference decoding, the prompt of traces."""
+    from diffusion_gr2.core.rank.operating_point import OperatingPointError, resolve_operating_point
+
+    tau, window, source = None, None, "ar"
+    if system != "ar_rl":
+        point_file = Path(params["operating_point_file"])
+        try:
+            points = json.loads(point_file.read_text()) if point_file.exists() else None
+            tau, window = resolve_operating_point(points, system)
+            source = str(point_file)
+        except OperatingPointError as err:
+            tau, source = float(params["fallback_tau"]), "fallback"
+            logger.warning("serving %s at the fallback tau %s: %s", system, tau, err)
+    config = ServingConfig(
+        system=system,
+        tau=tau,
+        window=window,
+        decoding=dict(inference["decoding"]),
+        prompt=dict(traces["prompt"]),
+        limits=dict(params.get("limits") or {}),
+    )
+    return config, source
+
+
+def register_models(
+    model_rl: Any,
+    model_ar_rl: Any,
+    items: pd.DataFrame,
+    sids: pd.DataFrame,
+    params: dict[str, Any],
+    traces: dict[str, Any],
+    inference: dict[str, Any],
+) -> dict[str, str]:
+    """Register `rl` as a new `diffusion-gr2` version and `ar_rl` as `diffusion-gr2-teacher`, both challenger.
+
+    The model objects only order the node after training; the saved folders are what is registered.
+    """
+    digests, run = DigestCache(), mlflow.active_run()
+    refs = {}
+    for system, name in (("ar_rl", registry.TEACHER_MODEL), ("rl", registry.DIFFUSION_MODEL)):
+        folder = Path(params["model_dirs"][system])
+        config, source = _serving(system, params, traces, inference)
+        tags = {
+            "lineage.model.name": f"model_{system}",
+            "lineage.model.path": str(folder),
+            "lineage.model.digest": digests.digest(folder) or "",
+            "lineage.model.run_id": run.info.run_id if run else "",
+            "operating_point.source": source,
+        }
+        if system == "rl":
+            tags["teacher_version"] = refs["ar_rl"]
+        refs[system] = registry.register_reranker(name, folder, items, sids, config, tags).version
+    return refs
+
+
+def gate_requests(
+    candidates: pd.DataFrame, splits: pd.DataFrame, items: pd.DataFrame, params: dict[str, Any]
+) -> pd.DataFrame:
+    """The newest time slice of the test requests, in raw item ids (the gate's held-out set)."""
+    return newest_slice(candidates, splits, items, GateConfig(**params["gate"]))
+
+
+def _ranker(uri: str) -> Ranker:
+    return mlflow.pyfunc.load_model(uri).unwrap_python_model().ranker
+
+
+def run_gate(versions: dict[str, str], requests: pd.DataFrame, params: dict[str, Any]) -> dict[str, Any]:
+    """Challenger vs champion vs teacher on the same requests; promote or refuse; log it either way."""
+    config, client = GateConfig(**params["gate"]), MlflowClient()
+    challenger = _ranker(f"models:/{registry.DIFFUSION_MODEL}/{versions['rl']}")
+    teacher = _ranker(f"models:/{registry.TEACHER_MODEL}/{versions['ar_rl']}")
+    champion_ref = registry.alias_version(registry.DIFFUSION_MODEL, registry.CHAMPION, client)
+    champion = _ranker(champion_ref.uri) if champion_ref and champion_ref.version != versions["rl"] else None
+    same = servable(requests, [r for r in (challenger, champion, teacher) if r is not None])
+    if same.empty:
+        raise ValueError("the gate has no request every compared model can serve")
+    result = decide(
+        score(challenger, same), score(champion, same) if champion else None, score(teacher, same), config
+    )
+    result |= {
+        "challenger_version": versions["rl"],
+        "teacher_version": versions["ar_rl"],
+        "champion_version": champion_ref.version if champion_ref else None,
+    }
+    if result["decision"] == "promote":
+        registry.promote(registry.DIFFUSION_MODEL, versions["rl"], result["reasons"], client)
+        registry.promote(
+            registry.TEACHER_MODEL,
+            versions["ar_rl"],
+            f"teacher of {registry.DIFFUSION_MODEL} v{versions['rl']}",
+            client,
+        )
+    for key, value in {
+        "gate.decision": result["decision"],
+        "gate.reasons": result["reasons"][:5000],
+        **{f"gate.{k.replace('@', '_at_')}": v for k, v in result["numbers"].items()},
+    }.items():
+        client.set_model_version_tag(registry.DIFFUSION_MODEL, versions["rl"], key, str(value))
+    if mlflow.active_run() is not None:
+        mlflow.set_tags({"gate.decision": result["decision"], "gate.challenger_version": versions["rl"]})
+    logger.info("gate: %s (%s)", result["decision"], result["reasons"])
+    release_lock(params["lock_file"])
+    return {
+        "gate_report": result,
+        "gate_metrics": as_metrics_history({k: v for k, v in result["numbers"].items() if v is not None}),
+    }
