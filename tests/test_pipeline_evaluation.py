@@ -39,7 +39,7 @@ def _model_dirs(project: Path) -> dict[str, Path]:
 
 def _write_inputs(project: Path) -> None:
     """Tokenizer, requests and one tiny random model per system, where the catalog expects them."""
-    tokenizer, requests = make_world(n_users=N_USERS)
+    tokenizer, requests = make_world(n_users=N_USERS, splits=("test", "valid"))
     tokenizer.save_pretrained(project / "data/06_models/tokenizer")
     requests.to_parquet(project / "data/05_model_input/requests.parquet")
     for system, path in _model_dirs(project).items():

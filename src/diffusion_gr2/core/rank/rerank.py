@@ -327,7 +327,7 @@ def rankings_summary(rankings: pd.DataFrame) -> dict[str, dict[str, float]]:
     out = {}
     for key, rows in _groups(rankings):
         nfe = int(rows["nfe"].sum())
-        out[system_key(*key)] = {
+        out[_row_key(key._asdict())] = {
             "valid_rate": float(rows["valid"].mean()),
             "unforced_rate": float(_unforced(rows).mean()),
             "mean_output_tokens": float(rows["output_tokens"].mean()),
