@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 from collections.abc import Iterator
@@ -60,10 +61,23 @@ def run_kedro(project: Path, pipelines: list[str], env: str = "smoke") -> None:
 
     # Sessions in one process may use different stores (each test project has its own mlflow.db):
     # forget the previous store's experiment and point MLflow at this one.
-    while mlflow.active_run() is not None:
-        mlflow.end_run()
+    _forget_active_runs()
     fluent._active_experiment_id = None
     mlflow.set_tracking_uri(os.environ.get("MLFLOW_TRACKING_URI", f"sqlite:///{project / 'mlflow.db'}"))
     bootstrap_project(project)
-    with KedroSession.create(project_path=project, env=env) as session:
-        session.run(pipeline_names=pipelines)
+    try:
+        with KedroSession.create(project_path=project, env=env) as session:
+            session.run(pipeline_names=pipelines)
+    finally:  # a run left active (or named in MLFLOW_RUN_ID) would capture the next test's logging
+        _forget_active_runs()
+
+
+def _forget_active_runs() -> None:
+    """End every active MLflow run; one whose store is another test's (gone or switched) is dropped."""
+    import mlflow
+    from mlflow.exceptions import MlflowException
+
+    while mlflow.active_run() is not None:
+        with contextlib.suppress(MlflowException):  # end_run pops the run before it contacts the store
+            mlflow.end_run()
+    os.environ.pop("MLFLOW_RUN_ID", None)

@@ -132,7 +132,7 @@ def test_evaluation_is_logged_to_mlflow(evaluation_run: Path) -> None:
     runs = mlflow.search_runs(experiment_names=["diffusion-gr2"], output_format="list")
     (run,) = [r for r in runs if r.data.tags.get("pipeline") == "inference,evaluation"]
     rows = json.loads((evaluation_run / "data/08_reporting/stage_metrics.json").read_text())
-    cft = next(r for r in rows if r["system"] == "cft")
+    cft = next(r for r in rows if r["system"] == "cft" and r["split"] == "test")
     assert run.data.metrics["eval.cft.tau0.9.recall_at_1"] == pytest.approx(cft["recall@1"])
     assert (
         "eval.ar_rl.valid_rate" in run.data.metrics
