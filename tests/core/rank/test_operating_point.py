@@ -12,8 +12,8 @@ from diffusion_gr2.core.rank.operating_point import (
 )
 
 
-def _row(tau: float, window: int | None, recall: float, speed: float) -> dict:
-    return {"tau": tau, "window": window, "recall@1": recall, "tokens_per_s": speed}
+def _row(tau: float, window: int | None, recall: float, speed: float, own: float = 0.5) -> dict:
+    return {"tau": tau, "window": window, "recall@1": recall, "tokens_per_s": speed, "unforced_rate": own}
 
 
 TABLE = [
@@ -36,9 +36,18 @@ def test_picks_the_fastest_setting_within_the_budget() -> None:
     assert choose_operating_point(tied, 0.19, 0.01)["tau"] == 0.6
 
 
+def test_an_own_valid_rate_floor_excludes_settings_the_grammar_carries() -> None:
+    table = [_row(0.9, None, 0.20, 1000.0, own=0.60), _row(0.4, None, 0.21, 2000.0, own=0.06)]
+    assert choose_operating_point(table, 0.20, 0.01)["tau"] == 0.4  # the rule alone
+    point = choose_operating_point(table, 0.20, 0.01, min_unforced_rate=0.5)
+    assert point["tau"] == 0.9 and point["min_unforced_rate"] == 0.5
+    with pytest.raises(OperatingPointError, match="own valid rate >= 0.70"):
+        choose_operating_point(table, 0.20, 0.01, min_unforced_rate=0.7)
+
+
 def test_refuses_when_nothing_meets_the_budget() -> None:
     with pytest.raises(
-        OperatingPointError, match=r"no \(tau, window\) reaches R@1 0\.290.*best was 0\.200 at tau 0\.9"
+        OperatingPointError, match=r"no \(tau, window\) reaches R@1 0\.290.*best R@1 was 0\.200 at tau 0\.9"
     ):
         choose_operating_point(TABLE, reference_recall=0.300, budget=0.01)
     with pytest.raises(OperatingPointError, match="no decoding settings"):

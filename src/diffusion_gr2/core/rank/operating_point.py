@@ -26,30 +26,39 @@ class OperatingPointError(ValueError):
 
 
 def choose_operating_point(
-    candidates: Sequence[Mapping[str, Any]], reference_recall: float, budget: float, reference: str = "ar_rl"
+    candidates: Sequence[Mapping[str, Any]],
+    reference_recall: float,
+    budget: float,
+    reference: str = "ar_rl",
+    min_unforced_rate: float | None = None,
 ) -> dict[str, Any]:
     """The fastest candidate whose `recall@1` >= `reference_recall - budget`.
 
     Each candidate holds `tau`, `window` (None = the whole block), `recall@1` and `tokens_per_s`
     (output tokens per second measured on the same validation requests); ties in speed go to the
-    higher R@1. Raises `OperatingPointError` naming the best R@1 seen when nothing qualifies.
+    higher R@1. `min_unforced_rate`, when set, also requires the model's own valid rate
+    (`unforced_rate`): a low tau can keep R@1 as served while the grammar writes most answers.
+    Raises `OperatingPointError` naming the best R@1 seen when nothing qualifies.
     """
     if not candidates:
         raise OperatingPointError("no decoding settings to choose an operating point from")
     floor = reference_recall - budget
-    ok = [c for c in candidates if c["recall@1"] >= floor - 1e-12]
+    own = -1.0 if min_unforced_rate is None else float(min_unforced_rate)
+    ok = [c for c in candidates if c["recall@1"] >= floor - 1e-12 and c.get("unforced_rate", 1.0) >= own]
     if not ok:
         best = max(candidates, key=lambda c: c["recall@1"])
         raise OperatingPointError(
             f"no (tau, window) reaches R@1 {floor:.3f} on validation ({reference} {reference_recall:.3f} "
-            f"minus the budget {budget:.3f}); the best was {best['recall@1']:.3f} at tau {best['tau']}, "
-            f"window {best['window']}"
+            f"minus the budget {budget:.3f})"
+            + ("" if min_unforced_rate is None else f" with an own valid rate >= {min_unforced_rate:.2f}")
+            + f"; the best R@1 was {best['recall@1']:.3f} at tau {best['tau']}, window {best['window']}"
         )
     chosen = max(ok, key=lambda c: (c["tokens_per_s"], c["recall@1"]))
     return {
         "tau": float(chosen["tau"]),
         "window": None if chosen["window"] is None else int(chosen["window"]),
         "budget": float(budget),
+        "min_unforced_rate": min_unforced_rate,
         "reference": reference,
         "reference_recall@1": float(reference_recall),
         "split": "valid",

@@ -116,7 +116,7 @@ def _operating_point(
         return refused_operating_point(speeds, float("nan"), budget, reason, name)
     ref_recall = _recall(ref_rows)
     try:
-        point = choose_operating_point(speeds, ref_recall, budget, name)
+        point = choose_operating_point(speeds, ref_recall, budget, name, params.get("min_unforced_rate"))
     except OperatingPointError as err:
         logger.warning("%s has no operating point: %s", system, err)
         return refused_operating_point(speeds, ref_recall, budget, str(err), name)
