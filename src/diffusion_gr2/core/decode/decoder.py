@@ -309,16 +309,17 @@ class _Block:
         self.masked[:, cols] &= ~commit
 
 
-_COLS = torch.arange(4096)  # column indices, sliced instead of built every step
+def leftmost_masked(masked: Tensor) -> Tensor:
+    """[...] index of the leftmost masked position along the last dim of `masked` [..., k] (k if none)."""
+    return torch.where(masked.any(-1), masked.long().argmax(-1), masked.shape[-1])
 
 
-def _fed_width(masked: Tensor, window: int | None) -> Tensor:
-    """[b] canvas positions each row feeds: up to its leftmost masked one plus `window` (all k if None)."""
-    k = masked.shape[1]
-    if window is None:
-        return torch.full((masked.shape[0],), k, dtype=torch.long, device=masked.device)
-    leftmost = torch.where(masked.any(1), masked.long().argmax(1), k)
-    return (leftmost + window).clamp(max=k)
+def fed_width(leftmost: Tensor, k: int, window: int | None) -> Tensor:
+    """[...] canvas positions fed: up to the leftmost masked one plus `window` (all k if None).
+
+    The one window rule: the decoder applies it, replay rebuilds the canvases from it.
+    """
+    return torch.full_like(leftmost, k) if window is None else (leftmost + window).clamp(max=k)
 
 
 def _run_block(
@@ -344,11 +345,11 @@ def _run_block(
         if pending is None and not bool(need.any()):
             return
         fill = step == max_steps  # the cap: every remaining position is filled, so the whole block is fed
-        fed = _fed_width(blk.masked, None if fill else cfg.window)
+        leftmost = leftmost_masked(blk.masked)
+        fed = fed_width(leftmost, k, None if fill else cfg.window)
         # one host read: the widest row's canvas, and the first position still masked in any row
         # that needs this forward (everything left of it is committed everywhere)
-        leftmost = torch.where(blk.masked & need[:, None], _COLS[:k].to(fed.device), k).min()
-        q, first = torch.stack([fed.max(), leftmost]).tolist()
+        q, first = torch.stack([fed.max(), torch.where(need, leftmost, k).min()]).tolist()
         lo = 0 if pending is not None else max(1, min(first, q - 1))
         canvas_valid = torch.arange(q, device=fed.device) < fed[:, None]
         logits = runner.forward(pending, blk.tokens[:, :q], canvas_valid, lo)  # [b, m, v]

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 from transformers import DynamicCache, PreTrainedModel
 
-from diffusion_gr2.core.decode.decoder import DecodeOutput, left_pad_prompts
+from diffusion_gr2.core.decode.decoder import DecodeOutput, fed_width, left_pad_prompts, leftmost_masked
 from diffusion_gr2.core.model.diffusion import cached_block_hidden, layout_hidden, lm_logits
 from diffusion_gr2.core.model.masks import Layout, prompt_response_layout
 
@@ -116,8 +116,8 @@ def replay_batch_logits(
         canvases = torch.where(visible, tokens[rows, None, start : start + k], mask_token_id)  # [m, S, k]
         fed = (s <= n_steps[rows, None, None]).expand(-1, -1, k)  # [m, S, k]: canvases the row ran
         if window is not None:  # the decoder's window, counted from each canvas's leftmost masked position
-            leftmost = torch.where((~visible).any(-1), (~visible).long().argmax(-1), k)  # [m, S]
-            width = torch.where(s[..., 0] == (max_steps or k), k, (leftmost + window).clamp(max=k))
+            width = fed_width(leftmost_masked(~visible), k, window)  # [m, S]
+            width = torch.where(s[..., 0] == (max_steps or k), k, width)  # the step cap feeds it all
             fed = fed & (torch.arange(k, device=dev) < width[..., None])
         lay = _canvas_layout(canvas_layout, rows, p + start, k, fed)
         canvas_h = cached_block_hidden(
