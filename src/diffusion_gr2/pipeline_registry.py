@@ -5,22 +5,8 @@ from __future__ import annotations
 from kedro.framework.project import find_pipelines
 from kedro.pipeline import Pipeline
 
+from diffusion_gr2.pipelines import DEFAULT_STAGES
 from diffusion_gr2.pipelines.retrain import registration_pipeline, retrain_pipeline
-
-# `__default__` runs data_prep through evaluation; later stages join as they are built.
-DEFAULT_STAGES = (
-    "data_prep",
-    "semantic_ids",
-    "retrieval",
-    "traces",
-    "teacher",
-    "conversion",
-    "cft",
-    "opd",
-    "rl",
-    "inference",
-    "evaluation",
-)
 
 
 def register_pipelines() -> dict[str, Pipeline]:

@@ -11,20 +11,9 @@ from importlib import import_module
 
 from kedro.pipeline import Node, Pipeline
 
-from .nodes import after_ingest, gate_requests, register_models, run_gate, take_in_incoming
+from diffusion_gr2.pipelines import TRAINING_STAGES
 
-# The stages a retrain reruns, in order (inference and evaluation are not needed to gate).
-RETRAIN_STAGES = (
-    "data_prep",
-    "semantic_ids",
-    "retrieval",
-    "traces",
-    "teacher",
-    "conversion",
-    "cft",
-    "opd",
-    "rl",
-)
+from .nodes import after_ingest, gate_requests, register_models, run_gate, take_in_incoming
 
 
 def registration_pipeline() -> Pipeline:
@@ -81,9 +70,9 @@ def retrain_pipeline() -> Pipeline:
     The stages are imported here: Kedro builds only the pipelines a run asks for (``--pipelines
     retrain`` alone), so they are not in the registry's discovered set.
     """
-    stages = {s: import_module(f"diffusion_gr2.pipelines.{s}").create_pipeline() for s in RETRAIN_STAGES}
+    stages = {s: import_module(f"diffusion_gr2.pipelines.{s}").create_pipeline() for s in TRAINING_STAGES}
     ingest = Pipeline([Node(take_in_incoming, "params:retrain", "ingest_report", name="take_in_incoming")])
-    dag = sum((stages[s] for s in RETRAIN_STAGES[1:]), _wait_for_ingest(stages["data_prep"]))
+    dag = sum((stages[s] for s in TRAINING_STAGES[1:]), _wait_for_ingest(stages["data_prep"]))
     return ingest + dag + registration_pipeline()
 
 
