@@ -8,6 +8,7 @@ import pytest
 import torch
 from transformers import PreTrainedModel
 
+from diffusion_gr2.core.decode import decoder
 from diffusion_gr2.core.decode.decoder import (
     DecodeConfig,
     DecodeOutput,
@@ -315,3 +316,29 @@ def test_buffer_cache_crops_and_refuses_overflow() -> None:
     assert torch.equal(k[:, :, 0], keys[:, :, 0]) and torch.equal(k[:, :, 1], keys[:, :, 0] + 1)
     with pytest.raises(ValueError, match="capacity"):
         layer.update(keys, keys)
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_rows_done_with_their_block_are_not_computed_and_change_nothing(
+    model: PreTrainedModel, prompts: list[list[int]], recompute: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A forward feeds only the rows still unmasking their block (swapped to the first slots)."""
+    cfg = DecodeConfig(
+        block_size=4, threshold=0.5, max_new_tokens=12, mask_token_id=MASK, batch_size=5, recompute=recompute
+    )
+    fed_rows: list[int] = []
+    runner = decoder._RecomputeRunner if recompute else _CachedRunner
+    forward = runner.forward
+
+    def counted(self, clean, canvas, canvas_valid, lo=0):  # type: ignore[no-untyped-def]
+        fed_rows.append((canvas if canvas is not None else clean).shape[0])
+        return forward(self, clean, canvas, canvas_valid, lo)
+
+    monkeypatch.setattr(runner, "forward", counted)
+    batched = decode(model, prompts, cfg)
+    assert min(fed_rows) < len(prompts), "no forward left a finished row out: nothing was tested"
+    monkeypatch.setattr(runner, "forward", forward)
+    for prompt, out in zip(prompts, batched, strict=True):
+        single = decode(model, [prompt], cfg)[0]
+        assert (out.tokens, out.commit_steps, out.nfe) == (single.tokens, single.commit_steps, single.nfe)
+        torch.testing.assert_close(out.token_logprobs, single.token_logprobs, atol=ATOL, rtol=0)

@@ -38,10 +38,11 @@ class BufferLayer(DynamicLayer):
         end = self.length + key_states.shape[-2]
         if end > self.capacity:
             raise ValueError(f"KV cache capacity {self.capacity} exceeded ({end} positions)")
-        self.keys[:, :, self.length : end] = key_states
-        self.values[:, :, self.length : end] = value_states
+        b = key_states.shape[0]  # a forward may feed only the first rows (the decoder's slots): views
+        self.keys[:b, :, self.length : end] = key_states
+        self.values[:b, :, self.length : end] = value_states
         self.length = end
-        return self.keys[:, :, :end], self.values[:, :, :end]
+        return self.keys[:b, :, :end], self.values[:b, :, :end]
 
     def get_seq_length(self) -> int:
         return self.length
@@ -54,6 +55,12 @@ class BufferLayer(DynamicLayer):
         if tokens_to_remove > 0:
             raise ValueError("crop takes a negative number of tokens to remove")
         self.length += tokens_to_remove
+
+    def swap_rows(self, i: int, j: int) -> None:
+        """Exchange the live columns of rows i and j."""
+        if self.is_initialized:
+            for buf in (self.keys, self.values):
+                buf[[i, j], :, : self.length] = buf[[j, i], :, : self.length]
 
     def batch_select_indices(self, indices: Tensor) -> None:
         if self.is_initialized:

@@ -56,9 +56,11 @@ class Layout:
     def length(self) -> int:
         return self.block.shape[1]
 
-    def head(self, n: int) -> Layout:
-        """The first `n` columns (a cached prefix plus the block being run)."""
-        return Layout(self.block[:, :n], self.copy[:, :n], self.valid[:, :n], self.position[:, :n])
+    def head(self, n: int, rows: int | None = None) -> Layout:
+        """The first `n` columns (a cached prefix plus the block being run), of the first `rows` rows."""
+        return Layout(
+            self.block[:rows, :n], self.copy[:rows, :n], self.valid[:rows, :n], self.position[:rows, :n]
+        )
 
     def rows(self, index: Tensor) -> Layout:
         """The rows in `index` (finished rows leave the batch)."""
