@@ -52,6 +52,13 @@ def smoke_project(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
         yield root
 
 
+@pytest.fixture(scope="session")
+def dag_run(smoke_project: Path) -> Path:
+    """The whole default DAG run once at smoke sizes; its outputs serve every end-to-end test."""
+    run_kedro(smoke_project, ["__default__"])
+    return smoke_project
+
+
 def run_kedro(project: Path, pipelines: list[str], env: str = "smoke") -> None:
     """Run pipelines through a real Kedro session, exactly as ``kedro run`` does."""
     import mlflow

@@ -9,19 +9,12 @@ from pathlib import Path
 
 import mlflow
 import pandas as pd
-import pytest
 
 from diffusion_gr2.core.rank.benchmark import BENCHMARK_KEYS
 from diffusion_gr2.core.rank.rerank import stage_metrics
 from tests.conftest import PROJECT_ROOT, run_kedro
 
 SYSTEMS = ("prerank", "ar_sft", "ar_rl", "naive", "cft", "opd", "rl")
-
-
-@pytest.fixture(scope="module")
-def dag_run(smoke_project: Path) -> Path:
-    run_kedro(smoke_project, ["__default__"])
-    return smoke_project
 
 
 def report(project: Path, name: str):

@@ -106,3 +106,11 @@ class PretrainedDataset(_AtomicFileDataset):
             from diffusion_gr2.core.tracking.mlflow_utils import log_model_directory
 
             log_model_directory(self.path, self.path.name)
+
+
+class OptionalJSONDataset(AtomicJSONDataset):
+    """A JSON report another, optional stage writes (`benchmark.json` after `make benchmark`): loads
+    None while the file does not exist, so a reader can say it is absent instead of failing."""
+
+    def load(self) -> Any:
+        return json.loads(self.path.read_text()) if self.path.exists() else None

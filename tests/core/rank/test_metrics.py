@@ -119,3 +119,102 @@ def test_stage_metrics_rows() -> None:
     assert [(r["system"], r["tau"], r["n"]) for r in rows] == [("cft", 0.9, 4), ("prerank", 1.0, 1)]
     assert all(r["split"] == "test" and r["window"] is None for r in rows)
     assert rows[0]["recall@1"] == 0.25 and set(rows[1]["ci"]) == set(M.METRICS)
+
+
+# ---- reasoning quality (no LLM judge) ----------------------------------------------------------------
+
+H1, H2 = "<a_1><b_1><c_1><d_0>", "<a_2><b_2><c_2><d_0>"  # history SIDs shown in the prompt
+C1, C2, C3 = "<a_5><b_5><c_5><d_0>", "<a_6><b_6><c_6><d_0>", "<a_7><b_7><c_7><d_1>"  # candidates
+CONTEXT = M.PromptContext(frozenset({H1, H2, C1, C2, C3}), {501: C1, 502: C2, 503: C3})
+
+
+def _answer(explanation: str, tail: str = '"recommendations":[]}') -> str:
+    import json
+
+    return '{"explanation":' + json.dumps(explanation) + "," + tail
+
+
+def test_explanation_is_read_even_when_the_rest_of_the_answer_is_broken() -> None:
+    assert M.explanation_of(_answer('1) likes "drama" ' + H1)) == f'1) likes "drama" {H1}'
+    assert M.explanation_of(_answer("why", tail='"recommendations":["<a_5>')) == "why"  # cut off later
+    assert M.explanation_of(' {"explanation" : "spaced"}') == "spaced"
+    assert M.explanation_of('{"recommendations":[],"explanation":"late"}') is None  # not leading
+    assert M.explanation_of('{"explanation":"never closed') is None
+    assert M.explanation_of("") is None and M.explanation_of(None) is None
+
+
+def test_cited_sids_are_whole_runs_of_sid_tokens() -> None:
+    text = f"latest {H1}. {C1} shares X; <a_6><b_6><d_0> and {C2}{C2}<|im_end|>"
+    assert M.cited_sids(text) == [H1, C1, "<a_6><b_6><d_0>", C2 + C2]  # a glued pair is one run
+    # the history SID comes first but is no candidate: the stated pick is the first *candidate* cited
+    assert M.stated_top_pick(f"1) {H1} 2) {C2} shares; {C1}. 3) Pick {C2}", [C1, C2, C3]) == C2
+    assert M.stated_top_pick(f"only history {H1}", [C1, C2, C3]) is None
+
+
+def test_reasoning_values_by_hand() -> None:
+    rows = [  # (explanation, served ranking): every case of the definitions
+        (f"1) {H1}. 2) {C2} shares. 3) Pick {C2}", [502, 501, 503]),  # grounded, pick agrees
+        (f"1) {H1}. 2) {C1} shares. 3) Pick {C1}", [503, 501, 502]),  # grounded, pick disagrees
+        (f"1) <a_1><b_1>. 2) {C3} first", [503, 502, 501]),  # truncated SID: not grounded; agrees
+        ("no ids at all", [501, 502, 503]),  # no citation: not grounded, no pick
+        (None, [501, 502, 503]),  # no explanation at all
+    ]
+    frame = pd.DataFrame(
+        [
+            {
+                "split": "test",
+                "user_id": 7,
+                "output_text": "garbage" if e is None else _answer(e),
+                "ranking": r,
+            }
+            for e, r in rows
+        ]
+    )
+    values = M.reasoning_values(frame, {("test", 7): CONTEXT}, lambda text: len(text.split()))
+    assert values["explanation_rate"].tolist() == [1, 1, 1, 1, 0]
+    assert values["cites_rate"].tolist() == [1, 1, 1, 0, 0]
+    assert values["grounded_rate"].tolist() == [1, 1, 0, 0, 0]
+    assert values["pick_agreement"].tolist() == [1, 0, 1, 0, 0]
+    assert values["explanation_tokens"].tolist() == [8, 8, 5, 4, 0]  # whitespace words here
+
+
+def test_reasoning_metrics_per_variant_skip_the_prerank() -> None:
+    text = _answer(f"3) Pick {C1}")
+    base = {
+        "split": "test",
+        "user_id": 7,
+        "window": float("nan"),
+        "output_text": text,
+        "ranking": [501, 502, 503],
+    }
+    frame = pd.DataFrame(
+        [
+            base | {"system": "prerank", "tau": float("nan"), "nfe": 0, "output_text": ""},
+            base | {"system": "ar_rl", "tau": float("nan"), "nfe": 12},
+            base | {"system": "rl", "tau": 0.9, "nfe": 5},
+            base | {"system": "rl", "tau": 0.9, "nfe": 4, "ranking": [502, 501, 503]},
+        ]
+    )
+    rows = M.reasoning_metrics(frame, {("test", 7): CONTEXT}, lambda t: 1, n_boot=50)
+    assert [(r["system"], r["tau"], r["window"], r["n"]) for r in rows] == [
+        ("ar_rl", None, None, 1),
+        ("rl", 0.9, None, 2),
+    ]
+    assert rows[1]["pick_agreement"] == 0.5 and rows[1]["grounded_rate"] == 1.0
+    assert set(rows[1]["ci"]) == set(M.REASONING_METRICS)
+
+
+def test_prompt_contexts_read_history_and_candidates_from_the_prompt() -> None:
+    requests = pd.DataFrame(
+        [
+            {
+                "split": "test",
+                "user_id": 7,
+                "prompt_ids": [1, 2],
+                "candidates": [501, 502],
+                "candidate_sids": [C1, C2],
+            }
+        ]
+    )
+    contexts = M.prompt_contexts(requests, lambda ids: f"History: {H1} Candidates: {C1} {C2}")
+    assert contexts[("test", 7)] == M.PromptContext(frozenset({H1, C1, C2}), {501: C1, 502: C2})

@@ -3,12 +3,16 @@
 Per user the only input is the 1-based rank of the target (0 = absent): Recall@K = 1[rank <= K],
 NDCG@K = 1/log2(rank + 1) if rank <= K (the ideal DCG is 1 with one relevant item), reciprocal rank
 1/rank. Intervals are percentile bootstraps over users, seeded and vectorised; the same resamples are
-used for every metric of a system. Full-catalog helpers serve the first-stage retriever.
+used for every metric of a system. Full-catalog helpers serve the first-stage retriever. Reasoning quality is measured without an LLM
+judge, from the answer text and the prompt alone (`REASONING_METRICS`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable, Mapping, Sequence
+import json
+import re
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -17,13 +21,21 @@ import torch
 
 __all__ = [
     "METRICS",
+    "REASONING_METRICS",
     "PairedBootstrap",
+    "PromptContext",
     "bootstrap_ci",
+    "cited_sids",
+    "explanation_of",
     "ndcg_at_k",
     "paired_bootstrap",
+    "prompt_contexts",
     "recall_at_k",
     "recall_ndcg_at_k",
+    "reasoning_metrics",
+    "reasoning_values",
     "reciprocal_rank",
+    "stated_top_pick",
     "system_metrics",
     "target_rank",
     "target_ranks",
@@ -228,3 +240,129 @@ def recall_ndcg_at_k(
         f"recall@{k}": float(recall_at_k(ranks, k).mean()),
         f"ndcg@{k}": float(ndcg_at_k(ranks, k).mean()),
     }
+
+
+# ---- reasoning quality without an LLM judge ----------------------------------------------------------
+#
+# An answer is `{"explanation": "...", "recommendations": [...]}` (DESIGN §4). From its text and the
+# prompt alone, per answer:
+#   explanation      the JSON string value of the answer's leading "explanation" key, read even when the
+#                    rest of the answer is broken; absent when the answer does not start with that key.
+#   cited SID        a maximal run of SID tokens (`<a_12><b_7><c_201><d_3>`) in the explanation. A run that
+#                    is not exactly one SID of the prompt (a truncated SID, two glued together, an
+#                    invented one) is a citation of something the prompt does not hold.
+#   grounded         the explanation cites at least one SID, and every SID it cites is in the prompt
+#                    (the user's history or the candidates). No explanation or no citation: not grounded.
+#   stated top pick  the first cited SID that is one of the request's candidates. The teacher's trace
+#                    cites the history first, then its best candidates best first, then "Pick <best>",
+#                    so on teacher text this is the top of the teacher's ranking (traces.write_trace).
+#   pick agrees      the stated top pick is the first item of the served ranking; no pick: disagrees.
+#   explanation tokens  length of the explanation in the model's tokens (0 when there is none).
+
+REASONING_METRICS = (
+    "explanation_rate",
+    "cites_rate",
+    "grounded_rate",
+    "pick_agreement",
+    "explanation_tokens",
+)
+_SID_RUN = re.compile(r"(?:<[a-z]_\d+>)+")  # consecutive SID tokens; `<|im_end|>` and the like never match
+_EXPLANATION = re.compile(r'\A\s*\{\s*"explanation"\s*:\s*"((?:[^"\\]|\\.)*)"', re.DOTALL)
+
+
+@dataclass(frozen=True)
+class PromptContext:
+    """What one request's prompt shows: every SID in it, and its candidates as (item id -> SID)."""
+
+    sids: frozenset[str]  # history and candidate SIDs, as written in the prompt
+    candidate_sid: Mapping[int, str]  # candidate item id -> its SID
+
+
+def prompt_contexts(
+    requests: pd.DataFrame, prompt_text: Callable[[Sequence[int]], str]
+) -> dict[tuple[str, int], PromptContext]:
+    """(split, user_id) -> what that request's prompt shows; `prompt_text` turns prompt ids into text
+    with the SID tokens kept (`tokenizer.decode`)."""
+    out = {}
+    for req in requests.itertuples(index=False):
+        shown = frozenset(cited_sids(prompt_text([int(t) for t in req.prompt_ids])))
+        sid_of = {int(i): str(s) for i, s in zip(req.candidates, req.candidate_sids, strict=True)}
+        out[(str(req.split), int(req.user_id))] = PromptContext(shown, sid_of)
+    return out
+
+
+def explanation_of(output_text: str | None) -> str | None:
+    """The explanation string of an answer (JSON-unescaped), or None when the answer has none."""
+    match = _EXPLANATION.match(output_text or "")
+    if match is None:
+        return None
+    try:
+        return json.loads(f'"{match.group(1)}"')
+    except ValueError:  # an escape the model broke (`\u12`): no readable explanation
+        return None
+
+
+def cited_sids(text: str) -> list[str]:
+    """Every SID-token run in `text`, in order (repeats kept)."""
+    return _SID_RUN.findall(text)
+
+
+def stated_top_pick(explanation: str, candidates: Iterable[str]) -> str | None:
+    """The first SID cited in `explanation` that is one of `candidates`; None when none is cited."""
+    allowed = set(candidates)
+    return next((sid for sid in cited_sids(explanation) if sid in allowed), None)
+
+
+def reasoning_values(
+    frame: pd.DataFrame | Iterable[Mapping[str, Any]],
+    contexts: Mapping[tuple[str, int], PromptContext],
+    count_tokens: Callable[[str], int],
+) -> dict[str, np.ndarray]:
+    """Per-answer value of every name in :data:`REASONING_METRICS` (each [u]; definitions above).
+
+    Rows need `split`, `user_id`, `output_text` and `ranking` (item ids as served); `contexts` maps
+    (split, user_id) to that request's prompt.
+    """
+    out: dict[str, list[float]] = {name: [] for name in REASONING_METRICS}
+    for row in _rows(frame):
+        context = contexts[(str(row.get("split", "test")), int(row["user_id"]))]
+        explanation = explanation_of(row["output_text"])
+        cited = cited_sids(explanation or "")
+        pick = stated_top_pick(explanation or "", context.candidate_sid.values())
+        served = _final_ranking(row)
+        first = None if served is None or len(served) == 0 else context.candidate_sid.get(int(served[0]))
+        out["explanation_rate"].append(float(explanation is not None))
+        out["cites_rate"].append(float(bool(cited)))
+        out["grounded_rate"].append(float(bool(cited) and all(s in context.sids for s in cited)))
+        out["pick_agreement"].append(float(pick is not None and pick == first))
+        out["explanation_tokens"].append(float(count_tokens(explanation)) if explanation else 0.0)
+    return {name: np.asarray(values, dtype=np.float64) for name, values in out.items()}
+
+
+def reasoning_metrics(
+    rankings: pd.DataFrame,
+    contexts: Mapping[tuple[str, int], PromptContext],
+    count_tokens: Callable[[str], int],
+    n_boot: int = 1000,
+    seed: int = 0,
+) -> list[dict[str, Any]]:
+    """One row per (split, system, tau, window) that wrote text: `n`, the means of
+    :data:`REASONING_METRICS` and `ci` (95% bootstrap over users), in frame order.
+
+    The pre-rank decodes nothing and is left out.
+    """
+    frame = rankings[rankings["nfe"] > 0]  # decoded by a model (an empty answer still took a forward)
+    rows = []
+    keys = ["split", "system", "tau", "window"]
+    for (split, system, tau, window), group in frame.groupby(keys, sort=False, dropna=False):
+        values = reasoning_values(group, contexts, count_tokens)
+        head = {
+            "split": str(split),
+            "system": str(system),
+            "tau": None if pd.isna(tau) else float(tau),
+            "window": None if pd.isna(window) else int(window),
+            "n": len(group),
+        }
+        means = {k: float(v.mean()) for k, v in values.items()}
+        rows.append(head | means | {"ci": bootstrap_ci(values, n_boot, seed)})
+    return rows

@@ -1,4 +1,9 @@
-"""Report figures: accuracy with intervals, valid-output rate, speed-up by output length and by batch size.
+"""Report figures: accuracy with intervals, valid-output rates, the speed/accuracy frontier, training
+curves and speed-up by batch size.
+
+Colours name systems and markers name thresholds, the same in every figure. There is no speed-up-by-
+output-length figure: the benchmark's requests all fall in one length bucket (teacher-shaped answers of
+~115 tokens), so such a plot showed two tokens of spread; a length plot needs lengths varied on purpose.
 
 Figures are built as `matplotlib.figure.Figure` objects, never through `pyplot`: no global figure
 state, no GUI backend (saving a PNG renders with Agg), so they are safe inside a Kedro run or a test.
@@ -10,8 +15,16 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
 
-__all__ = ["metric_figure", "speedup_by_batch_figure", "speedup_figure", "valid_rate_figure"]
+__all__ = [
+    "frontier_figure",
+    "metric_figure",
+    "own_valid_rate_figure",
+    "speedup_by_batch_figure",
+    "training_curves_figure",
+    "valid_rate_figure",
+]
 
 _COLORS = {  # one colour per system, stable across figures
     "prerank": "#7f7f7f",
@@ -23,6 +36,24 @@ _COLORS = {  # one colour per system, stable across figures
     "rl": "#ff7f0e",
     "generate": "#e377c2",  # transformers' generate on ar_rl's weights (benchmark)
 }
+
+
+_MARKERS = {1.0: "o", 0.9: "s", 0.6: "^", 0.4: "D"}  # one marker per threshold (tau), stable across figures
+_OTHER_MARKERS = ("v", "P", "X", "h", "<", ">")
+_AR_MARKER = "*"  # autoregressive systems: no threshold
+
+
+def _marker(tau: float | None) -> str:
+    if tau is None:
+        return _AR_MARKER
+    if float(tau) in _MARKERS:
+        return _MARKERS[float(tau)]
+    return _OTHER_MARKERS[int(round(float(tau) * 100)) % len(_OTHER_MARKERS)]
+
+
+def _tau_name(tau: float | None, window: int | None = None) -> str:
+    name = "AR" if tau is None else f"τ={tau:g}"
+    return name + ("" if window is None else f" w{window}")
 
 
 def _label(row: Mapping[str, Any]) -> str:
@@ -75,27 +106,165 @@ def valid_rate_figure(stage_rows: Sequence[Mapping[str, Any]]) -> Figure:
     return fig
 
 
-def speedup_figure(length_rows: Sequence[Mapping[str, Any]], reference: str = "ar_rl") -> Figure:
-    """Speed-up over the AR reference against output length, one line per (system, tau)."""
-    fig = Figure(figsize=(6.5, 4.0), layout="constrained")
-    ax = fig.add_subplot()
-    series: dict[tuple[str, Any, Any], list[tuple[float, float]]] = {}
-    for row in length_rows:
-        if row["system"] != reference and row.get("speedup") is not None:
-            series.setdefault((row["system"], row["tau"], row.get("window")), []).append(
-                (row["mean_output_tokens"], row["speedup"])
-            )
-    for (system, tau, window), points in series.items():
-        points.sort()
-        label = system if tau is None else f"{system} τ={tau:g}"
-        label += "" if window is None else f" w{window}"
-        ax.plot(*zip(*points, strict=True), marker="o", label=label, color=_color(system))
-    ax.axhline(1.0, ls="--", lw=1, color=_color(reference), label=reference)
-    ax.set_xlabel("output tokens (bucket mean)")
-    ax.set_ylabel(f"speed-up vs {reference} (output tokens/s)")
-    ax.set_title("Speed-up by output length (batch 1)")
+def _frontier_panel(
+    ax: Any, points: Sequence[Mapping[str, Any]], x_key: str, floor: float | None, reference: str
+) -> None:
+    """R@1 (95% CI) against `x_key`: colour = system, marker = tau (hollow = a decoding window)."""
+    for p in points:
+        color, low, high = _color(str(p["system"])), *p["ci"]["recall@1"]
+        filled = p.get("window") is None
+        big = p["system"] == reference
+        ax.errorbar(
+            p[x_key],
+            p["recall@1"],
+            yerr=[[p["recall@1"] - low], [high - p["recall@1"]]],
+            fmt=_marker(p["tau"]),
+            ms=16 if big else 8,
+            color=color,
+            mfc=color if filled else "none",
+            mec="black" if big else color,
+            elinewidth=0.8,
+            alpha=0.9,
+            zorder=5 if big else 3,  # the reference on top of the points it is compared with
+        )
+        if big:
+            ax.annotate(reference, (p[x_key], p["recall@1"]), textcoords="offset points", xytext=(8, 8))
+    if floor is not None:
+        ax.axhline(floor, ls="--", lw=1, color=_color("prerank"))
+        ax.annotate(
+            "prerank",
+            (0.01, floor),
+            xycoords=("axes fraction", "data"),
+            xytext=(0, 3),
+            textcoords="offset points",
+            fontsize=8,
+            color=_color("prerank"),
+        )
+    ax.set_ylabel("R@1 on test (95% CI)")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+
+
+def _legend_handles(points: Sequence[Mapping[str, Any]]) -> list[Any]:
+    """One colour entry per system and one marker entry per tau present in `points`."""
+    systems = list(dict.fromkeys(str(p["system"]) for p in points))
+    taus = list(dict.fromkeys(p["tau"] for p in points))
+    handles = [Line2D([], [], ls="", marker="o", color=_color(s), label=s) for s in systems]
+    handles += [
+        Line2D([], [], ls="", marker=_marker(t), color="black", mfc="none", label=_tau_name(t)) for t in taus
+    ]
+    if any(p.get("window") is not None for p in points):
+        handles.append(Line2D([], [], ls="", marker="o", color="gray", mfc="none", label="hollow: window"))
+    return handles
+
+
+def frontier_figure(
+    points: Sequence[Mapping[str, Any]], prerank_recall: float | None = None, reference: str = "ar_rl"
+) -> Figure:
+    """The speed/accuracy frontier on test, one point per (system, tau, window).
+
+    Each point has `system, tau, window, recall@1, ci, tokens_per_forward` and `tokens_per_s` (None when
+    the benchmark did not time that setting). Left: tokens per forward (from the rankings, every
+    point, machine-independent); right: output tokens/s at batch 1 under the answer grammar (the
+    benchmark's timed settings only). The pre-rank decodes nothing: a dashed line at its R@1.
+    """
+    fig = Figure(figsize=(12.0, 4.8), layout="constrained")
+    left, right = fig.subplots(1, 2, sharey=True)
+    _frontier_panel(left, points, "tokens_per_forward", prerank_recall, reference)
+    left.set_xlabel("output tokens per forward pass (rankings.parquet)")
+    left.set_title("R@1 vs tokens per forward, every system and tau")
+    timed = [p for p in points if p.get("tokens_per_s") is not None]
+    _frontier_panel(right, timed, "tokens_per_s", prerank_recall, reference)
+    right.set_xlabel("output tokens/s, batch 1, under the grammar (benchmark.json)")
+    right.set_title("R@1 vs tokens/s, the benchmark's settings")
+    if not timed:
+        right.text(
+            0.5,
+            0.5,
+            "no benchmark.json:\nrun `make benchmark`",
+            ha="center",
+            va="center",
+            transform=right.transAxes,
+        )
+    fig.legend(handles=_legend_handles(points), loc="outside right center", fontsize=8)
+    return fig
+
+
+def own_valid_rate_figure(stage_rows: Sequence[Mapping[str, Any]]) -> Figure:
+    """The model's own valid rate (`unforced_rate`, 95% CI) per stage, in pipeline order; one marker
+    per tau (hollow = a decoding window), AR stages as stars. The pre-rank writes nothing: left out."""
+    rows = [r for r in stage_rows if r["system"] != "prerank"]
+    stages = list(dict.fromkeys(str(r["system"]) for r in rows))
+    variants = list(dict.fromkeys((r["tau"], r.get("window")) for r in rows))
+    fig = Figure(figsize=(max(6.0, 1.1 * len(stages) + 3.0), 4.2), layout="constrained")
+    ax = fig.add_subplot()
+    width = 0.6 / max(len(variants), 1)
+    for r in rows:
+        v = variants.index((r["tau"], r.get("window")))
+        x = stages.index(str(r["system"])) + (v - (len(variants) - 1) / 2) * width
+        low, high = r["ci"]["unforced_rate"]
+        color = _color(str(r["system"]))
+        ax.errorbar(
+            x,
+            r["unforced_rate"],
+            yerr=[[r["unforced_rate"] - low], [high - r["unforced_rate"]]],
+            fmt=_marker(r["tau"]),
+            ms=10 if r["tau"] is None else 7,
+            color=color,
+            mfc=color if r.get("window") is None else "none",
+            capsize=3,
+        )
+    ax.legend(
+        handles=[
+            Line2D(
+                [],
+                [],
+                ls="",
+                marker=_marker(t),
+                color="black",
+                mfc="black" if w is None else "none",
+                label=_tau_name(t, w),
+            )
+            for t, w in variants
+        ],
+        fontsize=8,
+        loc="lower left",
+    )
+    ax.set_xticks(range(len(stages)), stages)
+    ax.set_ylim(-0.02, 1.05)
+    ax.set_ylabel("own valid rate (no grammar correction), 95% CI")
+    ax.set_title("The model's own valid-output rate per stage (test)")
+    ax.grid(axis="y", alpha=0.3)
+    return fig
+
+
+def training_curves_figure(
+    curves: Mapping[str, Mapping[str, Sequence[tuple[int, float]]]],
+    left_metric: str = "loss",
+    right_metric: str = "reward_mean",
+) -> Figure:
+    """One panel per training stage: `left_metric` against the step, and `right_metric` on a second
+    axis where the stage logs it (the RL stages' mean reward). `curves[stage][metric]` = [(step, value)]."""
+    stages = [s for s in curves if curves[s].get(left_metric) or curves[s].get(right_metric)]
+    cols = min(3, max(len(stages), 1))
+    n_rows = max(1, -(-len(stages) // cols))
+    fig = Figure(figsize=(4.2 * cols, 3.0 * n_rows), layout="constrained")
+    axes = fig.subplots(n_rows, cols, squeeze=False).ravel()
+    for ax, stage in zip(axes, stages, strict=False):
+        color = _color(stage)
+        if curves[stage].get(left_metric):
+            ax.plot(*zip(*curves[stage][left_metric], strict=True), color=color, lw=1)
+            ax.set_ylabel(left_metric)
+        if curves[stage].get(right_metric):
+            twin = ax.twinx()
+            twin.plot(*zip(*curves[stage][right_metric], strict=True), color="black", lw=0.8, alpha=0.6)
+            twin.set_ylabel(f"{right_metric} (black)", fontsize=8)
+        ax.set_title(stage)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    for ax in axes[len(stages) :]:
+        ax.set_axis_off()
+    if not stages:
+        axes[0].text(0.5, 0.5, "no training metric history found", ha="center", va="center")
     return fig
 
 

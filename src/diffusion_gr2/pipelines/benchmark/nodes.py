@@ -10,7 +10,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
 from diffusion_gr2.core.rank.benchmark import BenchmarkConfig, benchmark_requests
-from diffusion_gr2.core.rank.plots import speedup_by_batch_figure, speedup_figure
+from diffusion_gr2.core.rank.plots import speedup_by_batch_figure
 from diffusion_gr2.core.rank.rerank import RerankConfig, system_key
 from diffusion_gr2.core.tracking.mlflow_utils import as_metrics_history
 
@@ -53,6 +53,5 @@ def benchmark_decoding(
         "benchmark": result.rows,
         "speedup_by_length": result.length_rows,
         "benchmark_metrics": as_metrics_history(metrics),
-        "speedup_plot": speedup_figure(result.length_rows, config.reference),
         "batch_plot": speedup_by_batch_figure(result.rows, config.reference),
     }

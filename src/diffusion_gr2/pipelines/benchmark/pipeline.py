@@ -6,6 +6,8 @@ from collections.abc import Sequence
 
 from kedro.pipeline import Node, Pipeline
 
+from diffusion_gr2.pipelines.evaluation.pipeline import report_node
+
 from .nodes import benchmark_decoding
 
 # The AR reference and the diffusion systems whose speed the paper reports (naive is not worth timing).
@@ -29,10 +31,11 @@ def create_pipeline(systems: Sequence[str] = BENCHMARK_SYSTEMS, **kwargs) -> Pip
                     "benchmark": "benchmark",
                     "speedup_by_length": "speedup_by_length",
                     "benchmark_metrics": "benchmark_metrics",
-                    "speedup_plot": "benchmark_plot_speedup",
                     "batch_plot": "benchmark_plot_batch",
                 },
                 name="benchmark_decoding",
-            )
+            ),
+            # The run report again, now with the benchmark table and the batch-size plot.
+            report_node("write_report_with_benchmark", benchmark="benchmark"),
         ]
     )

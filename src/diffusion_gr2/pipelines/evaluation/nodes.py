@@ -1,19 +1,32 @@
-"""evaluation nodes: stage metrics with intervals, paired comparisons, table and plots (DESIGN §7, §10)."""
+"""evaluation nodes: stage metrics with intervals, paired comparisons, reasoning quality, table, plots and
+the run report (DESIGN §7, §10)."""
 
 from __future__ import annotations
 
 from typing import Any
 
+import mlflow
 import pandas as pd
 from matplotlib.figure import Figure
+from transformers import PreTrainedTokenizerFast
 
+from diffusion_gr2.core.rank.metrics import REASONING_METRICS, prompt_contexts, reasoning_metrics
 from diffusion_gr2.core.rank.plots import metric_figure, valid_rate_figure
+from diffusion_gr2.core.rank.report import (
+    ReportInputs,
+    decoding_stats,
+    load_training_curves,
+    markdown_to_html,
+    render_markdown,
+    report_figures,
+)
 from diffusion_gr2.core.rank.rerank import (
     EvaluationConfig,
     compare_systems,
     eval_metrics,
     metrics_markdown,
     stage_metrics,
+    system_key,
 )
 from diffusion_gr2.core.tracking.mlflow_utils import as_metrics_history
 
@@ -50,4 +63,63 @@ def plot_stage_metrics(stage_rows: list[dict[str, Any]]) -> dict[str, Figure]:
     return {
         "recall_plot": metric_figure(test, "recall@1"),
         "valid_rate_plot": valid_rate_figure(test),
+    }
+
+
+def compute_reasoning_metrics(
+    rankings: pd.DataFrame, requests: pd.DataFrame, tokenizer: PreTrainedTokenizerFast, params: dict[str, Any]
+) -> dict[str, Any]:
+    """Grounded citations, stated-pick agreement and explanation length per variant (no LLM judge)."""
+    config = _config(params)
+    asked = requests.merge(rankings[["split", "user_id"]].drop_duplicates(), on=["split", "user_id"])
+    contexts = prompt_contexts(asked, tokenizer.decode)  # SID tokens are kept: they are not special
+    rows = reasoning_metrics(
+        rankings,
+        contexts,
+        lambda text: len(tokenizer.encode(text, add_special_tokens=False)),
+        config.n_boot,
+        config.seed,
+    )
+    metrics = {
+        system_key(r["system"], r["tau"], r["window"], r["split"]): {m: r[m] for m in REASONING_METRICS}
+        for r in rows
+    }
+    return {"reasoning_metrics": rows, "reasoning_mlflow": as_metrics_history(metrics)}
+
+
+def _experiment_id(name: str) -> str | None:
+    """The active run's experiment (kedro-mlflow sets it), else the named one; None without a store."""
+    run = mlflow.active_run()
+    if run is not None:
+        return run.info.experiment_id
+    experiment = mlflow.get_experiment_by_name(name)
+    return None if experiment is None else experiment.experiment_id
+
+
+def write_report(
+    stage_rows: list[dict[str, Any]],
+    comparisons: list[dict[str, Any]],
+    reasoning: list[dict[str, Any]],
+    rankings: pd.DataFrame,
+    params: dict[str, Any],
+    **files: Any,
+) -> dict[str, Any]:
+    """`report.md` and `report.html` from the run's files, and the figures they show.
+
+    `files`: `operating_point`, `data_stats`, `sid_report`, `retrieval_report`, `benchmark`,
+    `decode_profile` (each None when absent); the training curves come from the MLflow store.
+    """
+    report = params["report"]
+    curves = load_training_curves(_experiment_id(report["experiment"]), report["training_stages"])
+    inputs = ReportInputs(
+        stage_rows, comparisons, reasoning, decoding_stats(rankings), training_curves=curves, **files
+    )
+    figures = report_figures(inputs)
+    markdown = render_markdown(inputs, figures)
+    return {
+        "report_md": markdown,
+        "report_html": markdown_to_html(markdown, figures),
+        "frontier_plot": figures["frontier"],
+        "own_valid_plot": figures["own_valid_rate"],
+        "training_plot": figures["training_curves"],
     }

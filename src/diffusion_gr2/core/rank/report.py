@@ -1,0 +1,531 @@
+"""The run report: every figure a reader needs, in one markdown file and one self-contained HTML file.
+
+Every number comes from the run's own files (DESIGN §10): `data_stats.json`, `sid_report.json`,
+`retrieval_report.json`, `stage_metrics.json`, `comparisons.json`, `operating_point.json`,
+`reasoning_metrics.json`, `benchmark.json` (after `make benchmark`), `decode_profile.json` (after
+`benchmarks/decode_profile.py`), the rankings (tokens per forward) and the training stages' MLflow
+metric history. A file that is absent gives a section saying so and naming the command that writes
+it; nothing is estimated in its place. Tables print 4 decimals (intervals 3), which is what a reader
+can check back against the JSON files.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import pandas as pd
+from markdown_it import MarkdownIt
+from matplotlib.figure import Figure
+
+from diffusion_gr2.core.rank.metrics import REASONING_METRICS
+from diffusion_gr2.core.rank.plots import (
+    frontier_figure,
+    own_valid_rate_figure,
+    speedup_by_batch_figure,
+    training_curves_figure,
+)
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "STAGE_COLUMNS",
+    "Curves",
+    "ReportInputs",
+    "decoding_stats",
+    "frontier_points",
+    "load_training_curves",
+    "markdown_to_html",
+    "render_markdown",
+    "report_figures",
+]
+
+Curves = dict[str, dict[str, list[tuple[int, float]]]]  # stage -> metric -> [(step, value)]
+# Stage-table metrics, in column order, with their header (the `stage_metrics.json` keys).
+STAGE_COLUMNS = (
+    ("recall@1", "R@1"),
+    ("recall@3", "R@3"),
+    ("recall@5", "R@5"),
+    ("ndcg@3", "NDCG@3"),
+    ("ndcg@5", "NDCG@5"),
+    ("mrr", "MRR"),
+    ("valid_rate", "valid (served)"),
+    ("unforced_rate", "own valid"),
+)
+BENCHMARK_COLUMNS = (
+    ("output_tokens_per_s", "tokens/s", 1),
+    ("nfe_per_sample", "NFE/request", 2),
+    ("tokens_per_forward", "tokens/forward", 3),
+    ("latency_p50_ms", "p50 ms", 1),
+    ("latency_p95_ms", "p95 ms", 1),
+    ("mean_output_tokens", "output tokens", 1),
+    ("speedup_vs_ar", "speed-up vs ar_rl", 3),
+)
+PLOTS = {  # figure name -> file under data/08_reporting/plots (the catalog writes them there)
+    "frontier": "plots/frontier.png",
+    "own_valid_rate": "plots/own_valid_rate.png",
+    "training_curves": "plots/training_curves.png",
+    "speedup_by_batch": "plots/speedup_by_batch.png",
+}
+
+
+@dataclass(frozen=True)
+class ReportInputs:
+    """The run's files, as loaded; None = the file is absent."""
+
+    stage_metrics: Sequence[Mapping[str, Any]]
+    comparisons: Sequence[Mapping[str, Any]]
+    reasoning: Sequence[Mapping[str, Any]]
+    decoding: Sequence[Mapping[str, Any]]  # `decoding_stats(rankings)`
+    operating_point: Mapping[str, Any] | None = None
+    data_stats: Mapping[str, Any] | None = None
+    sid_report: Mapping[str, Any] | None = None
+    retrieval_report: Mapping[str, Any] | None = None
+    benchmark: Sequence[Mapping[str, Any]] | None = None
+    decode_profile: Mapping[str, Any] | None = None
+    training_curves: Curves = field(default_factory=dict)
+    reference: str = "ar_rl"  # the AR system speed-ups and frontier marks refer to
+    split: str = "test"  # the reported split (valid chooses)
+
+
+# ---- figures from the files ----------------------------------------------------------------------
+
+
+def _key(row: Mapping[str, Any]) -> tuple[str, str, float | None, int | None]:
+    return (str(row.get("split", "test")), str(row["system"]), row.get("tau"), row.get("window"))
+
+
+def decoding_stats(rankings: pd.DataFrame) -> list[dict[str, Any]]:
+    """Per (split, system, tau, window): `n`, mean output tokens and forwards, and output tokens per
+    forward (all tokens over all forwards, as the benchmark counts them); 0 for the pre-rank."""
+    frame = rankings.assign(
+        tau=rankings["tau"].astype("float64"), window=rankings["window"].astype("float64")
+    )
+    out = []
+    for (split, system, tau, window), g in frame.groupby(
+        ["split", "system", "tau", "window"], sort=False, dropna=False
+    ):
+        nfe = int(g["nfe"].sum())
+        out.append(
+            {
+                "split": str(split),
+                "system": str(system),
+                "tau": None if pd.isna(tau) else float(tau),
+                "window": None if pd.isna(window) else int(window),
+                "n": len(g),
+                "mean_output_tokens": float(g["output_tokens"].mean()),
+                "mean_nfe": float(g["nfe"].mean()),
+                "tokens_per_forward": float(g["output_tokens"].sum()) / nfe if nfe else 0.0,
+            }
+        )
+    return out
+
+
+def frontier_points(inputs: ReportInputs) -> list[dict[str, Any]]:
+    """One point per model variant on the reported split: R@1 and its interval, tokens per forward
+    (rankings) and output tokens/s at batch 1 under the grammar (benchmark.json; None if not timed)."""
+    decoding = {_key(d): d for d in inputs.decoding}
+    timed = {
+        (inputs.split, str(b["system"]), b["tau"], b["window"]): b["output_tokens_per_s"]
+        for b in inputs.benchmark or ()
+        if b["batch_size"] == 1 and b["constrained"]
+    }
+    points = []
+    for row in inputs.stage_metrics:
+        key = _key(row)
+        if key[0] != inputs.split or row["system"] == "prerank" or key not in decoding:
+            continue
+        points.append(
+            {
+                "system": row["system"],
+                "tau": row["tau"],
+                "window": row.get("window"),
+                "recall@1": row["recall@1"],
+                "ci": {"recall@1": row["ci"]["recall@1"]},
+                "tokens_per_forward": decoding[key]["tokens_per_forward"],
+                "tokens_per_s": timed.get(key),
+            }
+        )
+    return points
+
+
+def _reported(inputs: ReportInputs) -> list[Mapping[str, Any]]:
+    return [r for r in inputs.stage_metrics if r.get("split", "test") == inputs.split]
+
+
+def report_figures(inputs: ReportInputs) -> dict[str, Figure]:
+    """The report's figures by name (`PLOTS`); the batch sweep only when there is a benchmark."""
+    reported = _reported(inputs)
+    prerank = next((r["recall@1"] for r in reported if r["system"] == "prerank"), None)
+    figures = {
+        "frontier": frontier_figure(frontier_points(inputs), prerank, inputs.reference),
+        "own_valid_rate": own_valid_rate_figure(reported),
+        "training_curves": training_curves_figure(inputs.training_curves),
+    }
+    if inputs.benchmark:
+        figures["speedup_by_batch"] = speedup_by_batch_figure(inputs.benchmark, inputs.reference)
+    return figures
+
+
+# ---- MLflow metric history -------------------------------------------------------------------------
+
+
+def load_training_curves(
+    experiment_id: str | None, stages: Sequence[str], metrics: Sequence[str] = ("loss", "reward_mean")
+) -> Curves:
+    """`<stage>.<metric>` step histories, each from the newest run of the experiment that logged it.
+
+    The training loop logs every stage under its name (`MlflowTracker(stage)`); a run of `evaluation`
+    alone, or of `benchmark`, logs none, so the newest run that trained each stage is looked up.
+    """
+    import mlflow
+
+    if experiment_id is None:
+        return {}
+    client = mlflow.MlflowClient()
+    runs = client.search_runs([experiment_id], order_by=["attributes.start_time DESC"], max_results=200)
+    curves: Curves = {}
+    for stage in stages:
+        for metric in metrics:
+            name = f"{stage}.{metric}"
+            run = next((r for r in runs if name in r.data.metrics), None)
+            if run is not None:
+                history = sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, name))
+                curves.setdefault(stage, {})[metric] = history
+    return curves
+
+
+# ---- markdown ----------------------------------------------------------------------------------------
+
+
+def _num(value: Any, digits: int = 4) -> str:
+    if value is None or (isinstance(value, float) and value != value):
+        return "—"
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return str(value)
+    return f"{value:.{digits}f}"
+
+
+def _cell(row: Mapping[str, Any], metric: str, signed: bool = False) -> str:
+    """`0.1854 [0.119, 0.252]`; `signed` for differences (`+0.0132 [-0.053, +0.073]`)."""
+    low, high = row["ci"][metric] if "ci" in row else (row["low"], row["high"])
+    value = row[metric] if metric in row else row["mean_diff"]
+    fmt = "+.4f" if signed else ".4f"
+    bound = "+.3f" if signed else ".3f"
+    return f"{value:{fmt}} [{low:{bound}}, {high:{bound}}]"
+
+
+def _tau(row: Mapping[str, Any]) -> str:
+    return "—" if row.get("tau") is None else f"{row['tau']:g}"
+
+
+def _window(row: Mapping[str, Any]) -> str:
+    return "—" if row.get("window") is None else str(row["window"])
+
+
+def _table(head: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def _served(inputs: ReportInputs) -> set[tuple[str, float | None, int | None]]:
+    """(system, tau, window) each diffusion system is served at (operating_point.json)."""
+    return {
+        (system, p["tau"], p.get("window"))
+        for system, p in (inputs.operating_point or {}).items()
+        if p.get("tau") is not None
+    }
+
+
+def _absent(name: str, command: str) -> str:
+    return f"*`{name}` is absent from this run: `{command}` writes it.*"
+
+
+def _inputs_section(inputs: ReportInputs) -> str:
+    parts = ["## Data, semantic IDs and retriever"]
+    if inputs.data_stats is None:
+        parts.append(_absent("data_stats.json", "kedro run --pipelines data_prep"))
+    else:
+        d = inputs.data_stats
+        rows = [[k, _num(d[k], 2) if isinstance(d[k], float) else str(d[k])] for k in (
+            "users", "items", "interactions", "mean_history", "median_history", "rows_read", "rows_rejected"
+        ) if k in d]  # fmt: skip
+        rows += [[f"split `{s}` (interactions)", str(n)] for s, n in d.get("splits", {}).items()]
+        parts.append("Dataset (`data_stats.json`):\n\n" + _table(["statistic", "value"], rows))
+    if inputs.sid_report is None:
+        parts.append(_absent("sid_report.json", "kedro run --pipelines semantic_ids"))
+    else:
+        s = inputs.sid_report
+        rows = [
+            ["levels", str(s["levels"])],
+            ["codebook sizes", ", ".join(str(c) for c in s["codebook_sizes"])],
+            ["unique with 3 levels", _num(s["uniqueness_3"])],
+            ["unique with 4 levels", _num(s["uniqueness_4"])],
+            ["collisions with 3 levels", str(s["collisions_3"])],
+            ["embedding model", f"`{s['embedding_model']}`"],
+        ]
+        parts.append("Semantic IDs (`sid_report.json`):\n\n" + _table(["statistic", "value"], rows))
+    if inputs.retrieval_report is None:
+        parts.append(_absent("retrieval_report.json", "kedro run --pipelines retrieval"))
+    else:
+        r = inputs.retrieval_report
+        rows = [
+            [name, _num(r[name]["recall@10"]), _num(r[name]["ndcg@10"])]
+            for name in ("retriever", "popularity")
+        ]
+        kept = ", ".join(f"{s} {_num(v)}" for s, v in r.get("users_kept", {}).items())
+        requests = ", ".join(f"{s} {n}" for s, n in r.get("rows", {}).items())
+        parts.append(
+            "First-stage retriever (`retrieval_report.json`, full catalog):\n\n"
+            + _table(["model", "Recall@10", "NDCG@10"], rows)
+            + f"\n\nCandidate mode `{r.get('candidate_mode')}`; share of users kept: {kept}"
+            + (f"; requests: {requests}." if requests else ".")
+        )
+    return "\n\n".join(parts)
+
+
+def _stage_section(inputs: ReportInputs) -> str:
+    served, decoding = _served(inputs), {_key(d): d for d in inputs.decoding}
+    head = ["system", "tau", "window", "served", "n", *(h for _, h in STAGE_COLUMNS), "tokens/forward"]
+    rows = []
+    for row in _reported(inputs):
+        at = (row["system"], row["tau"], row.get("window"))
+        tpf = decoding.get(_key(row), {}).get("tokens_per_forward") or None  # the pre-rank decodes nothing
+        cells = [str(row["system"]), _tau(row), _window(row), "yes" if at in served else "", str(row["n"])]
+        rows.append(cells + [_cell(row, m) for m, _ in STAGE_COLUMNS] + [_num(tpf, 3)])
+    text = (
+        f"## Stage table ({inputs.split})\n\n"
+        "Every system at each threshold, 95% bootstrap intervals over users (`stage_metrics.json`). "
+        "tau — = autoregressive; window — = the whole block fed at every step; *served* = the "
+        "operating point chosen on validation (`operating_point.json`). *valid (served)*: answers that "
+        "are valid rankings as served (under the answer grammar when decoding is constrained); *own "
+        "valid*: answers the grammar never had to correct, the model's own valid-output rate. "
+        "tokens/forward: output tokens over forward passes (`rankings.parquet`).\n\n" + _table(head, rows)
+    )
+    return text + "\n\n" + _operating_point_section(inputs)
+
+
+def _operating_point_section(inputs: ReportInputs) -> str:
+    if inputs.operating_point is None:
+        return _absent("operating_point.json", "kedro run --pipelines inference")
+    rows = []
+    for system, p in inputs.operating_point.items():
+        chosen = p.get("chosen") or {}
+        rows.append(
+            [
+                system,
+                _tau(p),
+                _window(p),
+                _num(p.get("budget")),
+                f"{p.get('reference', '')} {_num(p.get('reference_recall@1'))}",
+                _num(chosen.get("recall@1")),
+                _num(chosen.get("unforced_rate")),
+                _num(chosen.get("tokens_per_forward"), 3),
+                _num(chosen.get("tokens_per_s"), 1),
+                str(p.get("refused") or ""),
+            ]
+        )
+    head = ["system", "tau", "window", "R@1 budget", "reference R@1", "R@1", "own valid", "tokens/forward",
+            "tokens/s", "refused"]  # fmt: skip
+    return (
+        "### Served operating points (chosen on validation, `operating_point.json`)\n\n"
+        "The fastest (tau, window) whose R@1 as served on validation is within the budget of the "
+        "reference; the figures are validation's.\n\n" + _table(head, rows)
+    )
+
+
+def _comparison_section(inputs: ReportInputs) -> str:
+    cmp = [c for c in inputs.comparisons if c.get("split", "test") == inputs.split]
+    pairs = list(dict.fromkeys((c["baseline"], c["metric"]) for c in cmp))
+    by_row: dict[tuple[str, Any, Any], dict[tuple[str, str], Mapping[str, Any]]] = {}
+    for c in cmp:
+        by_row.setdefault((c["system"], c["tau"], c.get("window")), {})[(c["baseline"], c["metric"])] = c
+    rows = []
+    for row in _reported(inputs):  # in the stage table's order
+        cells = by_row.get((row["system"], row["tau"], row.get("window")), {})
+        if cells:
+            head = [str(row["system"]), _tau(row), _window(row)]
+            rows.append(
+                head + [_cell(cells[p], "mean_diff", signed=True) if p in cells else "" for p in pairs]
+            )
+    return (
+        f"## Paired differences ({inputs.split}, `comparisons.json`)\n\n"
+        "System minus baseline on the same users, mean and 95% paired-bootstrap interval. An interval "
+        "that contains 0 does not resolve the difference.\n\n"
+        + _table(["system", "tau", "window", *(f"Δ {m} vs {b}" for b, m in pairs)], rows)
+    )
+
+
+def _reasoning_section(inputs: ReportInputs) -> str:
+    rows = []
+    for r in inputs.reasoning:
+        if r.get("split", "test") == inputs.split:
+            cells = [str(r["system"]), _tau(r), _window(r), str(r["n"])]
+            rows.append(cells + [_cell(r, m) for m in REASONING_METRICS])
+    head = ["system", "tau", "window", "n", "has explanation", "cites a SID", "grounded", "pick = ranking #1",
+            "explanation tokens"]  # fmt: skip
+    return (
+        f"## Reasoning quality ({inputs.split}, `reasoning_metrics.json`; no LLM judge)\n\n"
+        "Per answer, from its text and its prompt alone (`core/rank/metrics.py`). *grounded*: the "
+        "explanation cites at least one SID and every SID-token run it writes is a SID shown in the "
+        "prompt (history or candidates); a truncated or repeated SID counts as not shown. *pick = "
+        "ranking #1*: the stated top pick, i.e. the first candidate SID the explanation cites (the "
+        "teacher's traces cite their best candidate first and pick it), is the first item of the "
+        "served ranking. *explanation tokens*: length of the explanation string in the model's tokens. "
+        "Means with 95% bootstrap intervals.\n\n" + _table(head, rows)
+    )
+
+
+def _benchmark_section(inputs: ReportInputs) -> str:
+    title = "## Decode benchmark (`benchmark.json`)\n\n"
+    if not inputs.benchmark:
+        return (
+            title
+            + _absent("benchmark.json", "make benchmark")
+            + (
+                " It times `ar_rl`, `generate` and each diffusion system at its operating point at batch "
+                "1, 4, 16 and 32, and re-renders this report with the table and the batch-size plot."
+            )
+        )
+    device = ", ".join(sorted({str(b["device"]) for b in inputs.benchmark}))
+    rows = []
+    for b in inputs.benchmark:
+        cells = [str(b["system"]), _tau(b), _window(b), "yes" if b.get("operating_point") else "sweep",
+                 str(b["batch_size"]), "grammar" if b["constrained"] else "free"]  # fmt: skip
+        rows.append(cells + [_num(b[k], d) for k, _, d in BENCHMARK_COLUMNS])
+    head = [
+        "system",
+        "tau",
+        "window",
+        "operating point",
+        "batch",
+        "decoding",
+        *(h for _, h, _ in BENCHMARK_COLUMNS),
+    ]
+    return (
+        title + f"One run on `{device}`. Output tokens/s counts output tokens only; latency is per "
+        "request; speed-up is against `ar_rl` at the same batch size and grammar flag, in the same "
+        "run. *sweep* rows are the threshold sweep behind the frontier.\n\n" + _table(head, rows)
+    )
+
+
+def _profile_section(inputs: ReportInputs) -> str:
+    """Where decode time goes (`benchmarks/decode_profile.py`), and what a forward costs by width."""
+    title = "## Where decode time goes (`decode_profile.json`)\n\n"
+    if inputs.decode_profile is None:
+        return title + _absent(
+            "decode_profile.json",
+            "python benchmarks/decode_profile.py --json data/08_reporting/decode_profile.json",
+        )
+    rows = []
+    for s in inputs.decode_profile["settings"]:
+        wall = s["wall_s"] or float("nan")
+        rows.append(
+            [
+                str(s["system"]),
+                _tau(s),
+                str(s.get("window") or "—"),
+                str(s["batch"]),
+                _num(s["tokens_per_forward"], 3),
+                _num(s["ms_per_forward_call"], 3),
+                _num(s["forward_s"] / wall, 3),
+                _num(s["grammar_s"] / wall, 3),
+                _num(s["other_s"] / wall, 3),
+                _num(s["tokens_per_s"], 1),
+            ]  # fmt: skip
+        )
+    head = ["system", "tau", "window", "batch", "tokens/forward", "ms/forward", "forward share", "grammar share",
+            "other share", "tokens/s"]  # fmt: skip
+    text = title + _table(head, rows)
+    costs = inputs.decode_profile.get("canvas_ms", {})
+    if costs:
+        widths = list(dict.fromkeys(k for c in costs.values() for k in c))
+        cost_rows = [
+            [name, *(_num(c[w] / c["canvas_1"], 3) if w in c and c.get("canvas_1") else "—" for w in widths)]
+            for name, c in costs.items()
+        ]
+        text += (
+            "\n\nCost of one forward by canvas width, relative to a one-token forward (system@batch). "
+            "A diffusion step beats AR only where its tokens per forward exceed this ratio; at large "
+            "batches the forward becomes compute-bound and the ratio grows.\n\n"
+            + _table(["setting", *widths], cost_rows)
+        )
+    return text
+
+
+def _plots_section(inputs: ReportInputs, figures: Mapping[str, Figure]) -> str:
+    captions = {
+        "frontier": "Speed/accuracy frontier on test: R@1 (95% CI) against tokens per forward (every "
+        "system and tau) and against measured tokens/s (the benchmark's settings). Colour = system, "
+        f"marker = tau (hollow = a decoding window), large star = `{inputs.reference}`, dashed line = "
+        "the pre-rank's R@1.",
+        "own_valid_rate": "The model's own valid-output rate per stage (no grammar correction), 95% CI.",
+        "training_curves": "Training curves of every stage from the MLflow metric history: loss, and "
+        "the mean reward (black) where the stage is RL."
+        + ("" if inputs.training_curves else " No history was found in the MLflow store."),
+        "speedup_by_batch": "Speed-up against `ar_rl` by batch size at each system's operating point "
+        "(solid = under the grammar, dashed = free).",
+    }
+    parts = ["## Plots"]
+    for name, path in PLOTS.items():
+        if name in figures:
+            parts.append(f"**{name.replace('_', ' ')}.** {captions[name]}\n\n![{name}]({path})")
+    if "speedup_by_batch" not in figures:
+        parts.append("**speed-up by batch size.** " + _absent("benchmark.json", "make benchmark"))
+    parts.append(
+        "**speed-up by output length.** Not plotted: the benchmark's requests all produce "
+        "teacher-shaped answers of about the same length (one output-length bucket), so such a plot "
+        "has no spread to show. It needs lengths varied on purpose (reasoning budgets, history "
+        "lengths), which the benchmark does not do yet."
+    )
+    return "\n\n".join(parts)
+
+
+def render_markdown(inputs: ReportInputs, figures: Mapping[str, Figure]) -> str:
+    """The whole report as markdown; figures are linked under `plots/` (`PLOTS`)."""
+    sections = [
+        "# Diffusion-GR2 run report",
+        "What the run gains and what it gives up, from its own files "
+        f"(`data/08_reporting/`); reported split: `{inputs.split}`.",
+        _inputs_section(inputs),
+        _stage_section(inputs),
+        _comparison_section(inputs),
+        _reasoning_section(inputs),
+        _benchmark_section(inputs),
+        _profile_section(inputs),
+        _plots_section(inputs, figures),
+    ]
+    return "\n\n".join(sections) + "\n"
+
+
+def _png(figure: Figure) -> bytes:
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png", dpi=110)
+    return buffer.getvalue()
+
+
+def markdown_to_html(
+    markdown: str, figures: Mapping[str, Figure], title: str = "Diffusion-GR2 run report"
+) -> str:
+    """The report as one HTML file: the same markdown rendered, its figures embedded as PNG data URIs
+    (so the MLflow artifact opens on its own)."""
+    for name, path in PLOTS.items():
+        if name in figures:
+            data = base64.b64encode(_png(figures[name])).decode("ascii")
+            markdown = markdown.replace(f"]({path})", f"](data:image/png;base64,{data})")
+    body = MarkdownIt("commonmark").enable("table").render(markdown)
+    style = (
+        "body{font-family:sans-serif;max-width:1400px;margin:2em auto;padding:0 1em}"
+        "table{border-collapse:collapse;font-size:0.85em;margin:1em 0}"
+        "th,td{border:1px solid #ccc;padding:2px 6px;text-align:left}img{max-width:100%}"
+    )
+    return (
+        f"<!DOCTYPE html>\n<html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
+        f"<style>{style}</style></head><body>\n{body}</body></html>\n"
+    )
