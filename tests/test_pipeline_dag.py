@@ -74,6 +74,11 @@ def test_every_model_is_saved_with_its_tokenizer_and_logged(dag_run: Path) -> No
     assert {"models/ar_rl", "models/rl", "models/tokenizer"} <= logged
     metrics = client.get_metric_history(runs[0].info.run_id, "ar_sft.loss")
     assert len(metrics) >= 1
+    # where the run's time went: every node timed, on the run and in node_times.json
+    times = report(dag_run, "node_times.json")
+    logged_times = {k for k in runs[0].data.metrics if k.startswith("timing.")}
+    assert {"timing.train_cft_s", "timing.train_diffusion_rl_s"} <= logged_times
+    assert times["nodes_s"] and 0 < sum(times["nodes_s"].values()) <= times["total_s"]  # the last run's
 
 
 def test_training_resumes_from_its_checkpoint(dag_run: Path) -> None:

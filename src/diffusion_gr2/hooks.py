@@ -3,7 +3,9 @@ node's input and output hashes on that run, and schema checks on boundary datase
 
 from __future__ import annotations
 
+import json
 import logging
+import time
 from pathlib import Path
 from typing import Any
 
@@ -134,3 +136,51 @@ class NodeLineageHooks:
             log_record(record)
         except Exception as err:  # lineage must never fail a training run; it says so instead
             logger.warning("lineage of node %s not logged: %s", node_name, err)
+
+
+class NodeTimingHooks:
+    """Where a run's time went: each node's wall time, logged and kept with the run.
+
+    Logs `timing.<node>_s` on the active MLflow run as each node ends, writes
+    `data/08_reporting/node_times.json` (nodes slowest first, with the run's total) and prints the
+    slowest nodes at the end, so a team sizing the default run against its budget sees what to shrink.
+    """
+
+    REPORT = Path("data/08_reporting/node_times.json")
+
+    def __init__(self) -> None:
+        self._start: dict[str, float] = {}
+        self._seconds: dict[str, float] = {}
+        self._run_start = 0.0
+
+    @hook_impl
+    def before_pipeline_run(self) -> None:
+        self._start, self._seconds, self._run_start = {}, {}, time.perf_counter()
+
+    @hook_impl
+    def before_node_run(self, node: Any) -> None:
+        self._start[node.name] = time.perf_counter()
+
+    @hook_impl
+    def after_node_run(self, node: Any) -> None:
+        if node.name not in self._start:
+            return
+        seconds = self._seconds[node.name] = time.perf_counter() - self._start.pop(node.name)
+        if mlflow.active_run() is not None:  # here, not at the end: kedro-mlflow closes its run first
+            try:
+                mlflow.log_metric(f"timing.{node.name}_s", seconds)
+            except Exception as err:  # timing must never fail a run
+                logger.warning("time of node %s not logged to MLflow: %s", node.name, err)
+
+    @hook_impl
+    def after_pipeline_run(self, run_params: dict[str, Any]) -> None:
+        if not self._seconds:
+            return
+        nodes = dict(sorted(self._seconds.items(), key=lambda kv: -kv[1]))
+        total = time.perf_counter() - self._run_start
+        report = {"total_s": round(total, 1), "nodes_s": {name: round(sec, 1) for name, sec in nodes.items()}}
+        path = Path(run_params.get("project_path") or Path.cwd()) / self.REPORT
+        if path.parent.is_dir():
+            path.write_text(json.dumps(report, indent=2) + "\n")
+        top = ", ".join(f"{name} {sec / 60:.1f} min" for name, sec in list(nodes.items())[:6])
+        logger.info("run took %.1f min; slowest nodes: %s", total / 60, top)

@@ -7,11 +7,11 @@ import os
 from kedro.config import OmegaConfigLoader
 
 from diffusion_gr2.core.env import quiet_offline_environment
-from diffusion_gr2.hooks import BoundarySchemaHooks, LineageHooks, NodeLineageHooks
+from diffusion_gr2.hooks import BoundarySchemaHooks, LineageHooks, NodeLineageHooks, NodeTimingHooks
 
 quiet_offline_environment()
 
-HOOKS = (LineageHooks(), NodeLineageHooks(), BoundarySchemaHooks())
+HOOKS = (LineageHooks(), NodeLineageHooks(), BoundarySchemaHooks(), NodeTimingHooks())
 
 CONFIG_LOADER_CLASS = OmegaConfigLoader
 CONFIG_LOADER_ARGS = {
