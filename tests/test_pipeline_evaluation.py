@@ -127,6 +127,24 @@ def test_stage_metrics_file_is_recomputable_from_rankings(evaluation_run: Path) 
 
 
 @pytest.mark.slow
+def test_report_names_the_files_this_run_lacks(evaluation_run: Path) -> None:
+    """This world has no data_prep, semantic_ids or retrieval reports and no benchmark: each is named."""
+    report = (evaluation_run / "data/08_reporting/report.md").read_text()
+    for name, command in (
+        ("data_stats.json", "kedro run --pipelines data_prep"),
+        ("benchmark.json", "make benchmark"),
+    ):
+        assert f"*`{name}` is absent from this run: `{command}` writes it.*" in report
+    assert "## Stage table (test)" in report and "## Reasoning quality (test" in report
+    reasoning = json.loads((evaluation_run / "data/08_reporting/reasoning_metrics.json").read_text())
+    assert {r["system"] for r in reasoning} == {
+        *AR_SYSTEMS,
+        *DIFFUSION_SYSTEMS,
+    }  # every model, not the pre-rank
+    assert (evaluation_run / "data/08_reporting/report.html").read_text().startswith("<!DOCTYPE html>")
+
+
+@pytest.mark.slow
 def test_evaluation_is_logged_to_mlflow(evaluation_run: Path) -> None:
     mlflow.set_tracking_uri(f"sqlite:///{evaluation_run / 'mlflow.db'}")
     runs = mlflow.search_runs(experiment_names=["diffusion-gr2"], output_format="list")
@@ -142,8 +160,12 @@ def test_evaluation_is_logged_to_mlflow(evaluation_run: Path) -> None:
     client = mlflow.MlflowClient()
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
     assert {"stage_metrics.json", "comparisons.json", "stage_metrics.md", "plots"} <= artifacts
+    assert {"reasoning_metrics.json", "report.md", "report.html"} <= artifacts
     plots = {a.path for a in client.list_artifacts(run.info.run_id, "plots")}
-    assert plots == {"plots/recall_at_1.png", "plots/valid_rate.png"}
+    assert plots == {
+        f"plots/{name}.png"
+        for name in ("recall_at_1", "valid_rate", "frontier", "own_valid_rate", "training_curves")
+    }
 
 
 # The operating points the benchmark reads: cft at a whole-block tau, rl with a window, opd refused.
@@ -192,9 +214,14 @@ def test_benchmark_pipeline_times_ar_generate_and_each_operating_point(benchmark
     by_length = json.loads((benchmark_run / "data/08_reporting/speedup_by_length.json").read_text())
     assert {r["system"] for r in by_length} == {"ar_rl", "generate", "cft", "rl"}
     assert (benchmark_run / "data/08_reporting/plots/speedup_by_batch.png").read_bytes()[:4] == b"\x89PNG"
-    assert not (benchmark_run / "data/08_reporting/plots/speedup_by_length.png").exists()  # removed: no spread
+    assert not (
+        benchmark_run / "data/08_reporting/plots/speedup_by_length.png"
+    ).exists()  # removed: no spread
     mlflow.set_tracking_uri(f"sqlite:///{benchmark_run / 'mlflow.db'}")
     (run,) = mlflow.search_runs(experiment_names=["diffusion-gr2"], output_format="list")
     assert "bench.rl.tau0.9.w2.b4.grammar.speedup_vs_ar" in run.data.metrics
     plots = {a.path for a in mlflow.MlflowClient().list_artifacts(run.info.run_id, "plots")}
     assert "plots/speedup_by_batch.png" in plots
+    report = (benchmark_run / "data/08_reporting/report.md").read_text()  # re-rendered with the table
+    assert "## Decode benchmark" in report and "`benchmark.json` is absent" not in report
+    assert "](plots/speedup_by_batch.png)" in report

@@ -106,6 +106,11 @@ def valid_rate_figure(stage_rows: Sequence[Mapping[str, Any]]) -> Figure:
     return fig
 
 
+def _yerr(value: float, low: float, high: float) -> list[list[float]]:
+    """Error-bar lengths below and above `value` (0 where a percentile interval misses it)."""
+    return [[max(value - low, 0.0)], [max(high - value, 0.0)]]
+
+
 def _frontier_panel(
     ax: Any, points: Sequence[Mapping[str, Any]], x_key: str, floor: float | None, reference: str
 ) -> None:
@@ -117,7 +122,7 @@ def _frontier_panel(
         ax.errorbar(
             p[x_key],
             p["recall@1"],
-            yerr=[[p["recall@1"] - low], [high - p["recall@1"]]],
+            yerr=_yerr(p["recall@1"], low, high),
             fmt=_marker(p["tau"]),
             ms=16 if big else 8,
             color=color,
@@ -206,7 +211,7 @@ def own_valid_rate_figure(stage_rows: Sequence[Mapping[str, Any]]) -> Figure:
         ax.errorbar(
             x,
             r["unforced_rate"],
-            yerr=[[r["unforced_rate"] - low], [high - r["unforced_rate"]]],
+            yerr=_yerr(r["unforced_rate"], low, high),
             fmt=_marker(r["tau"]),
             ms=10 if r["tau"] is None else 7,
             color=color,

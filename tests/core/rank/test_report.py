@@ -1,0 +1,144 @@
+"""The run report from hand-made files: sections, absent files, joins, HTML, MLflow curves."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import mlflow
+import pandas as pd
+import pytest
+
+from diffusion_gr2.core.rank import report as R
+
+CI = {
+    m: [0.1, 0.6]
+    for m in ("recall@1", "recall@3", "recall@5", "ndcg@3", "ndcg@5", "mrr", "valid_rate", "unforced_rate")
+}
+
+
+def _stage(system: str, tau: float | None, window: int | None = None, r1: float = 0.2) -> dict:
+    metrics = dict.fromkeys(CI, 0.5) | {"recall@1": r1}
+    return {"system": system, "tau": tau, "window": window, "split": "test", "n": 10, **metrics, "ci": CI}
+
+
+STAGES = [_stage("prerank", None, r1=0.19), _stage("ar_rl", None, r1=0.2), _stage("rl", 0.9, r1=0.21),
+          _stage("rl", 0.4, 4, r1=0.15)]  # fmt: skip
+
+
+def _rankings() -> pd.DataFrame:
+    rows = []
+    for system, tau, window, tokens, nfe in (
+        ("prerank", math.nan, math.nan, 0, 0),
+        ("ar_rl", math.nan, math.nan, 100, 100),
+        ("rl", 0.9, math.nan, 100, 40),
+        ("rl", 0.4, 4.0, 100, 25),
+    ):
+        rows += [
+            {
+                "split": "test",
+                "system": system,
+                "tau": tau,
+                "window": window,
+                "output_tokens": tokens,
+                "nfe": nfe,
+            }
+        ] * 2
+    rows.append(
+        {"split": "test", "system": "rl", "tau": 0.9, "window": math.nan, "output_tokens": 20, "nfe": 10}
+    )
+    return pd.DataFrame(rows)
+
+
+def _bench(
+    system: str, tau: float | None, window: int | None, batch: int, constrained: bool, tps: float
+) -> dict:
+    return {
+        "system": system, "tau": tau, "window": window, "operating_point": True, "batch_size": batch,
+        "constrained": constrained, "backend": "eager", "output_tokens_per_s": tps, "nfe_per_sample": 10.0,
+        "tokens_per_forward": 2.0, "latency_p50_ms": 1.0, "latency_p95_ms": 2.0, "mean_output_tokens": 100.0,
+        "device": "cpu", "speedup_vs_ar": None if system == "ar_rl" else tps / 100.0,
+    }  # fmt: skip
+
+
+def _inputs(**files) -> R.ReportInputs:
+    return R.ReportInputs(STAGES, [], [], R.decoding_stats(_rankings()), **files)
+
+
+def test_decoding_stats_count_all_tokens_over_all_forwards() -> None:
+    stats = {(d["system"], d["tau"], d["window"]): d for d in R.decoding_stats(_rankings())}
+    assert stats[("rl", 0.9, None)]["tokens_per_forward"] == pytest.approx(220 / 90)
+    assert stats[("rl", 0.4, 4)]["tokens_per_forward"] == 4.0 and stats[("rl", 0.9, None)]["n"] == 3
+    assert stats[("prerank", None, None)]["tokens_per_forward"] == 0.0
+
+
+def test_frontier_points_take_tokens_per_s_at_batch_1_under_the_grammar_only() -> None:
+    bench = [
+        _bench("ar_rl", None, None, 1, True, 100.0),
+        _bench("ar_rl", None, None, 16, True, 900.0),
+        _bench("rl", 0.9, None, 1, False, 300.0),  # free decoding: not what is served
+        _bench("rl", 0.4, 4, 1, True, 250.0),
+        _bench("generate", None, None, 1, True, 80.0),  # no accuracy row of its own
+    ]
+    points = {(p["system"], p["tau"], p["window"]): p for p in R.frontier_points(_inputs(benchmark=bench))}
+    assert set(points) == {
+        ("ar_rl", None, None),
+        ("rl", 0.9, None),
+        ("rl", 0.4, 4),
+    }  # prerank decodes nothing
+    assert (
+        points[("ar_rl", None, None)]["tokens_per_s"] == 100.0
+        and points[("rl", 0.4, 4)]["tokens_per_s"] == 250.0
+    )
+    assert points[("rl", 0.9, None)]["tokens_per_s"] is None
+    assert points[("rl", 0.4, 4)]["recall@1"] == 0.15 and points[("rl", 0.4, 4)]["tokens_per_forward"] == 4.0
+
+
+def test_absent_files_are_named_with_the_command_that_writes_them() -> None:
+    inputs = _inputs()
+    figures = R.report_figures(inputs)
+    assert set(figures) == {"frontier", "own_valid_rate", "training_curves"}  # no benchmark: no batch plot
+    text = R.render_markdown(inputs, figures)
+    for name, command in (
+        ("data_stats.json", "kedro run --pipelines data_prep"),
+        ("sid_report.json", "kedro run --pipelines semantic_ids"),
+        ("retrieval_report.json", "kedro run --pipelines retrieval"),
+        ("benchmark.json", "make benchmark"),
+        ("operating_point.json", "kedro run --pipelines inference"),
+    ):
+        assert f"*`{name}` is absent from this run: `{command}` writes it.*" in text
+    assert "| rl | 0.4 | 4 |  | 10 | 0.1500 [0.100, 0.600] |" in text  # a stage row, with its interval
+    assert "| prerank | — | — |  | 10 |" in text and text.count("](plots/") == 3
+
+
+def test_benchmark_rows_make_a_table_and_a_batch_plot() -> None:
+    bench = [_bench("ar_rl", None, None, b, True, 100.0 * b) for b in (1, 4)]
+    bench += [_bench("rl", 0.9, None, b, True, 150.0 * b) for b in (1, 4)]
+    inputs = _inputs(benchmark=bench, operating_point={"rl": {"tau": 0.9, "window": None, "budget": 0.01}})
+    figures = R.report_figures(inputs)
+    text = R.render_markdown(inputs, figures)
+    assert "speedup_by_batch" in figures and "](plots/speedup_by_batch.png)" in text
+    assert "| rl | 0.9 | — | yes | 4 | grammar | 600.0 | 10.00 | 2.000 | 1.0 | 2.0 | 100.0 | 6.000 |" in text
+    assert "| rl | 0.9 | — | yes | 10 |" in text  # the served variant is marked in the stage table
+    html = R.markdown_to_html(text, figures)
+    assert html.count("data:image/png;base64,") == 4 and "](plots/" not in html and "<table>" in html
+
+
+def test_training_curves_come_from_the_newest_run_that_logged_each_stage(tmp_path: Path) -> None:
+    mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    try:
+        experiment = mlflow.create_experiment("curves", artifact_location=str(tmp_path / "artifacts"))
+        with mlflow.start_run(experiment_id=experiment):  # trains cft
+            for step, loss in enumerate((3.0, 2.0, 1.5)):
+                mlflow.log_metric("cft.loss", loss, step=step)
+        with mlflow.start_run(experiment_id=experiment):  # a later run: evaluation only, then rl
+            mlflow.log_metric("eval.rl.recall_at_1", 0.2)
+            mlflow.log_metrics({"rl.loss": 0.1, "rl.reward_mean": -0.5}, step=4)
+        curves = R.load_training_curves(experiment, ["cft", "rl", "opd"])
+    finally:
+        mlflow.set_tracking_uri("")
+    assert curves == {
+        "cft": {"loss": [(0, 3.0), (1, 2.0), (2, 1.5)]},
+        "rl": {"loss": [(4, 0.1)], "reward_mean": [(4, -0.5)]},
+    }  # opd never trained: absent
+    assert R.load_training_curves(None, ["cft"]) == {}
