@@ -283,42 +283,39 @@ def _constrain_commits(
     row may still write at position 0). A disallowed token is replaced by the best allowed one where a
     commit is due (the run's first position, or every position when `must_commit`) and cuts the run
     elsewhere. Log-probs become those of the constrained (renormalised) distribution.
+
+    The automaton walk is plain Python per committed token; the tensor work (renormalised log-probs)
+    is one batched pass over every constrained commit of the step, however long the runs are.
     """
     forced = [0] * len(constraints)
     token_list, commit_list = tokens.tolist(), commit.tolist()
-    runs = {
-        i: [j for j, c in enumerate(commit_list[i]) if c] for i, c in enumerate(constraints) if c is not None
-    }
-    dev, n = logits.device, 0  # the n-th commit of every row's run is checked together, one pass per column
-    while runs := {i: run for i, run in runs.items() if n < len(run)}:
-        rows, cols, masks = [], [], []
-        for i, run in runs.items():
-            allowed = constraints[i].allowed(budgets[i] - run[n])  # type: ignore[union-attr]
+    where: list[tuple[int, int]] = []  # constrained commits, and the masks they were checked against
+    masks: list[Tensor] = []
+    for i, constraint in enumerate(constraints):
+        if constraint is None:
+            continue
+        for n, j in enumerate(c for c, due in enumerate(commit_list[i]) if due):
+            allowed = constraint.allowed(budgets[i] - j)
+            token = token_list[i][j]
             if allowed is None:  # any token: nothing to correct, the log-prob stays the model's
-                constraints[i].advance(token_list[i][run[n]])  # type: ignore[union-attr]
-            else:
-                rows.append(i), cols.append(run[n]), masks.append(allowed)
-        if rows:
-            r, c = torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)
-            allowed = torch.stack(masks).to(dev)  # [r, v]
-            x = logits[r, c].float() / (cfg.temperature if cfg.do_sample else 1.0)
-            x = x.masked_fill(~allowed, -math.inf)  # the constrained distribution's logits
-            chosen = torch.tensor([token_list[i][j] for i, j in zip(rows, cols, strict=True)], device=dev)
-            bad = x.gather(1, chosen[:, None]).squeeze(1) == -math.inf
-            if bool(bad.any()):  # the best allowed token instead (used only where a commit is due)
-                best, _ = _choose(logits[r[bad], c[bad]].masked_fill(~allowed[bad], -math.inf), cfg, gen)
-                chosen[bad] = best
-            logps[r, c] = torch.log_softmax(x, -1).gather(1, chosen[:, None]).squeeze(1)  # renormalised
-            for i, j, token, corrected in zip(rows, cols, chosen.tolist(), bad.tolist(), strict=True):
-                if corrected:
-                    forced[i] += 1
-                    if n > 0 and not must_commit:  # not due here: end the run before it
-                        commit[i, j:] = False
-                        del runs[i]
-                        continue
-                    tokens[i, j] = token
-                constraints[i].advance(token)  # type: ignore[union-attr]
-        n += 1
+                constraint.advance(token)
+                continue
+            if not bool(allowed[token]):
+                forced[i] += 1
+                if n > 0 and not must_commit:  # not due here: end the run before it
+                    commit[i, j:] = False
+                    break
+                x = logits[i, j].masked_fill(~allowed.to(logits.device), -math.inf)
+                token = int(_choose(x, cfg, gen)[0])  # the best allowed token (or a sample among them)
+                tokens[i, j] = token
+            where.append((i, j))
+            masks.append(allowed)
+            constraint.advance(token)
+    if where:
+        r, c = (torch.tensor(idx, device=logits.device) for idx in zip(*where, strict=True))
+        x = logits[r, c].float() / (cfg.temperature if cfg.do_sample else 1.0)
+        x = x.masked_fill(~torch.stack(masks).to(logits.device), -math.inf)  # the constrained distribution
+        logps[r, c] = torch.log_softmax(x, -1).gather(1, tokens[r, c][:, None]).squeeze(1)  # renormalised
     return forced
 
 
