@@ -4,9 +4,9 @@
 
 Each step count is its own CFT run from `data/06_models/naive` with the `cft` parameters of
 `conf/base/parameters_training.yml` (so its learning-rate schedule is the one a user would get by
-setting `cft.train.max_steps`), on `data/05_model_input/sft_examples.parquet`. After each run the test
-requests are re-ranked as served (answer grammar on) and the table reports the model's own valid
-rate (`unforced_rate`), R@1 and output tokens per forward at each tau. The default run's CFT is
+setting `cft.train.max_steps`), on `data/05_model_input/sft_examples.parquet`. After each run the
+validation requests (`--split`; choose on validation, report on test) are re-ranked as served (answer
+grammar on) and the table reports the model's own valid rate (`unforced_rate`), R@1 and output tokens per forward at each tau. The default run's CFT is
 sized for two CPU cores; this shows what the same recipe reaches with more compute (a GPU runs it in
 minutes). `--save DIR` keeps each model as `DIR/cft<steps>` (time it with saved_models_bench.py).
 """
@@ -42,7 +42,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, nargs="+", required=True)
     parser.add_argument("--taus", type=float, nargs="+", default=[0.9, 0.4])
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--max-users", type=int, default=None, help="first N test users (default all)")
+    parser.add_argument("--split", default="valid", choices=["valid", "test"], help="requests re-ranked")
+    parser.add_argument("--max-users", type=int, default=None, help="first N requests (default all)")
     parser.add_argument("--models", type=Path, default=ROOT / "data/06_models")
     parser.add_argument("--data", type=Path, default=ROOT / "data/05_model_input")
     parser.add_argument("--params", type=Path, default=ROOT / "conf/base/parameters_training.yml")
@@ -54,7 +55,7 @@ def main() -> None:
     params = yaml.safe_load(args.params.read_text())["cft"]
     tokenizer = AutoTokenizer.from_pretrained(args.models / "tokenizer", local_files_only=True)
     examples = pd.read_parquet(args.data / "sft_examples.parquet")
-    requests = select_requests(pd.read_parquet(args.data / "requests.parquet"), "test", args.max_users)
+    requests = select_requests(pd.read_parquet(args.data / "requests.parquet"), args.split, args.max_users)
     decoding = RerankConfig(max_new_tokens=192, device=args.device)
     results = []
     for steps in args.steps:
@@ -74,7 +75,7 @@ def main() -> None:
         if args.save is not None:
             save_model(model, tokenizer, args.save / f"cft{steps}")
         settings = [(tau, None) for tau in args.taus]
-        rows, _ = rerank_system(model, requests, tokenizer, "cft", settings, decoding)
+        rows, _ = rerank_system(model, requests, tokenizer, "cft", settings, decoding, split=args.split)
         for metrics in stage_metrics(rows, n_boot=1000):
             group = rows[rows["tau"].astype("float64") == metrics["tau"]]
             results.append(
