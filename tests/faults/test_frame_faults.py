@@ -16,18 +16,19 @@ N, NUM_ITEMS = 4, 30
 
 
 def good_candidates() -> pd.DataFrame:
-    """Two users; user 0 has two train prefixes. No leakage, one row per (user, split)."""
+    """Two users; user 0 has two train prefixes, user 1 two test points. No leakage, one row per request."""
     rows = [
-        (0, "train", [1, 2], 3, [3, 5, 6, 7], 1),
-        (0, "train", [1, 2, 3], 4, [8, 4, 9, 10], 2),
-        (0, "valid", [1, 2, 3, 4], 11, [11, 12, 13, 14], 1),
-        (0, "test", [1, 2, 3, 4, 11], 15, [16, 15, 17, 18], 2),
-        (1, "valid", [20, 21], 22, [23, 24, 22, 25], 3),
-        (1, "test", [20, 21, 22], 26, [26, 27, 28, 29], 1),
+        (0, "train", 2, [1, 2], 3, [3, 5, 6, 7], 1),
+        (0, "train", 3, [1, 2, 3], 4, [8, 4, 9, 10], 2),
+        (0, "valid", 0, [1, 2, 3, 4], 11, [11, 12, 13, 14], 1),
+        (0, "test", 0, [1, 2, 3, 4, 11], 15, [16, 15, 17, 18], 2),
+        (1, "valid", 0, [20, 21], 22, [23, 24, 22, 25], 3),
+        (1, "test", 0, [20, 21, 22], 26, [26, 27, 28, 29], 1),
+        (1, "test", 1, [20, 21, 22, 26], 19, [19, 27, 28, 29], 1),
     ]
-    columns = ["user_id", "split", "history", "target", "candidates", "target_position"]
+    columns = ["user_id", "split", "point", "history", "target", "candidates", "target_position"]
     return pd.DataFrame(rows, columns=columns).astype(
-        {"user_id": "int64", "target": "int64", "target_position": "int64"}
+        {"user_id": "int64", "point": "int64", "target": "int64", "target_position": "int64"}
     )
 
 
@@ -54,9 +55,10 @@ CANDIDATE_CASES = [
     ("target_in_history", _set(2, "history", [1, 2, 3, 4, 11]), "target_not_in_history", "target_in_history", 2),
     ("candidate_in_history", _set(3, "history", [1, 2, 17]), "no_candidate_in_history", "n_candidates_in_history", 3),
     ("empty_history", _set(4, "history", []), "history_not_empty", "n_history", 4),
-    ("repeated_user_split", _append_copy(3, candidates=[15, 16, 17, 19]), "one_row_per_user_and_split", "repeated_row", 6),
-    ("repeated_train_prefix", _append_copy(0), "one_row_per_user_and_split", "repeated_row", 6),
+    ("repeated_request", _append_copy(3, candidates=[15, 16, 17, 19]), "one_row_per_request", "repeated_row", 7),
+    ("repeated_train_prefix", _append_copy(0), "one_row_per_request", "repeated_row", 7),
     ("history_foreign_id", _set(5, "history", [20, 99]), "history_ids_in_catalog", "n_history_foreign", 5),
+    ("test_target_in_train_row", _set(0, "history", [1, 15]), "held_out_target_not_in_train_rows", "target_trained_on", 3),
 ]  # fmt: skip
 IDS = [c[0] for c in CANDIDATE_CASES]
 
@@ -90,7 +92,7 @@ def test_candidate_gx_suite_names_rule_and_row(
     failed = [r for r in report.failures() if r["expectation"]["kwargs"].get("column") == column]
     assert not report.success and len(failed) == 1, report.summary()
     rows = [entry["row"].split(":")[0] for entry in failed[0]["details"]["partial_unexpected_index_list"]]
-    assert rows == [str(row)]  # the label "row:split/user" names the list
+    assert rows == [str(row)]  # the label "row:split/user/point" names the list
 
 
 def test_repeats_allowed_without_dedup() -> None:
@@ -118,7 +120,7 @@ REQUEST_CASES = [
     ("sid_with_text", _set(2, "candidate_sids", ["<a_9>x<b_1>", *SIDS[1:]]), "distinct_well_formed_sids"),
     ("sid_not_text", _set(2, "candidate_sids", [7, *SIDS[1:]]), "distinct_well_formed_sids"),
     ("target_not_at_position", _set(3, "target_position", 3), "target_at_target_position"),
-    ("repeated_user_split", _append_copy(5), "one_row_per_user_and_split"),
+    ("repeated_request", _append_copy(6), "one_row_per_request"),
     ("negative_token_id", _set(4, "prompt_ids", [5, -1]), "token_ids"),
     ("empty_prompt", _set(4, "prompt_ids", []), "token_ids"),
     ("repeated_candidate", _set(5, "candidates", [26, 26, 28, 29]), "unique_item_ids"),

@@ -9,7 +9,7 @@ import pandas as pd
 import pytest
 
 from diffusion_gr2.core.tracking import registry
-from diffusion_gr2.core.tracking.gate import GateConfig, decide
+from diffusion_gr2.core.tracking.gate import GateConfig, decide, newest_slice
 from diffusion_gr2.pipelines.retrain.nodes import run_gate
 from tests.ops.conftest import World
 
@@ -97,3 +97,22 @@ def test_decide_applies_each_threshold(challenger_r1, valid, speed, decision, fa
     assert result["decision"] == decision
     if failed:
         assert failed in result["reasons"]
+
+
+def test_newest_slice_dates_each_test_point_by_its_own_time() -> None:
+    """With several test points per user, a user's later points are the newer requests."""
+    candidates = pd.DataFrame(
+        {
+            "user_id": [0, 0, 1, 1],
+            "split": "test",
+            "point": [0, 1, 0, 1],
+            "history": [[0], [0, 1], [3], [3, 4]],
+            "target": [1, 2, 4, 5],
+            "candidates": [[1, 2], [2, 5], [4, 5], [5, 1]],
+        }
+    )
+    splits = pd.DataFrame({"user_id": [0, 1], "test_timestamps": [[10, 40], [20, 30]]})
+    items = pd.DataFrame({"item_id": range(6), "raw_item_id": [f"i{i}" for i in range(6)]})
+    rows = newest_slice(candidates, splits, items, GateConfig(slice_share=0.5))
+    assert rows["request_id"].tolist() == ["user-0-point-1", "user-1-point-1"]
+    assert rows["timestamp"].tolist() == [40, 30] and rows["target"].tolist() == ["i2", "i5"]

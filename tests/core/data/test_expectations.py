@@ -61,6 +61,19 @@ def test_split_suite_fails_readably(prepared: PreparedData) -> None:
     assert "FAILED expect_column_values_to_be_in_set(column='test_item_in_train'" in summary
 
 
+def test_split_suite_checks_every_test_point(make_raw: Callable[..., RawDataset]) -> None:
+    rows = [(u, (u + j) % 8, 10 * j + u) for u in range(6) for j in range(7)]
+    splits = prepare(make_raw(rows), PrepConfig(k_core=3, test_points=3)).splits
+    assert check_splits(splits, 8).success
+    bad = splits.copy()
+    last = int(bad.at[1, "test_items"][-1])
+    bad.at[1, "train_items"] = [*bad.at[1, "train_items"][:-1], last]  # the last point leaks, not point 0
+    bad.at[2, "test_timestamps"] = [int(bad.at[2, "valid_timestamp"]) - 1, *bad.at[2, "test_timestamps"][1:]]
+    report = check_splits(bad, 8)
+    failed = {str(r["expectation"]["kwargs"].get("column")) for r in report.failures()}
+    assert failed == {"test_item_in_train", "test_points_ordered"}, report.summary()
+
+
 def test_allow_repeats_drops_leak_expectations(prepared: PreparedData) -> None:
     bad = prepared.splits.copy()
     bad.at[0, "train_items"] = [*bad.at[0, "train_items"][:-1], int(bad.at[0, "test_item"])]

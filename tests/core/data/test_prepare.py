@@ -28,11 +28,12 @@ def test_ml100k_statistics(tmp_path: Path) -> None:
     prepared = prepare(read_dataset("ml-100k", tmp_path), PrepConfig())
     stats = prepared.stats
     assert set(stats) == {
-        "users", "items", "interactions", "mean_history", "median_history", "splits",
+        "users", "items", "interactions", "mean_history", "median_history", "splits", "test_points",
         "rows_read", "rows_rejected", "rejected_by_reason",
     }  # fmt: skip
     assert (stats["users"], stats["items"], stats["interactions"]) == (943, 1349, 99287)
     assert stats["splits"] == {"train": 99287 - 2 * 943, "valid": 943, "test": 943}
+    assert stats["test_points"] == {"per_user": 1, "users_with_fewer": 0}
     assert stats["mean_history"] == pytest.approx(99287 / 943, abs=1e-4)
     assert stats["rows_read"] == 100000 + 1682 and stats["rows_rejected"] == 0
     assert len(prepared.items) == 1349 and len(prepared.splits) == 943
@@ -154,3 +155,39 @@ def test_config_from_params_and_rating_filter(make_raw: MakeRaw) -> None:
     with pytest.raises(ValueError, match=r"min_rating=4\.5 keeps none of the 3 interactions"):
         prepare(raw, config)
     assert prepare(raw, PrepConfig.from_params({**params, "min_rating": 4.0})).stats["interactions"] == 3
+
+
+@FAST
+@given(rows=rows_strategy, points=st.integers(1, 4))
+def test_test_points_split_property(make_raw: MakeRaw, rows: list[tuple[int, int, int]], points: int) -> None:
+    """The last min(P, n - 2) interactions are test points in time order, the one before validation."""
+    try:
+        prepared = prepare(make_raw(rows), PrepConfig(k_core=1, test_points=points))
+    except ValueError as err:
+        assert "no interactions left" in str(err)
+        return
+    history = prepared.interactions.groupby("user_id")
+    fewer = 0
+    for row in prepared.splits.itertuples(index=False):
+        user = history.get_group(row.user_id)
+        expected = min(points, len(user) - 2)
+        fewer += expected < points
+        assert len(row.test_items) == len(row.test_timestamps) == expected >= 1
+        assert [*row.train_items, row.valid_item, *row.test_items] == user["item_id"].tolist()
+        assert (row.test_item, row.test_timestamp) == (row.test_items[0], row.test_timestamps[0])
+        assert max(row.train_timestamps) <= row.valid_timestamp <= row.test_timestamps[0]
+        assert not set(row.test_items) & {*row.train_items, row.valid_item}  # dedup: never trained on
+    assert prepared.stats["splits"]["test"] == sum(len(t) for t in prepared.splits["test_items"])
+    assert sum(prepared.stats["splits"].values()) == len(prepared.interactions)
+    assert prepared.stats["test_points"] == {"per_user": points, "users_with_fewer": fewer}
+
+
+def test_short_users_give_fewer_test_points(make_raw: MakeRaw) -> None:
+    """A user with n < P + 2 interactions keeps one train and one validation item: n - 2 test points."""
+    rows = [("a", f"i{j}", j) for j in range(6)] + [("b", f"i{j}", j) for j in range(3)]
+    prepared = prepare(make_raw(rows), PrepConfig(k_core=1, test_points=3))
+    points = dict(zip(prepared.splits["user_id"], prepared.splits["test_items"].map(len), strict=True))
+    assert sorted(points.values()) == [1, 3]
+    assert prepared.stats["test_points"] == {"per_user": 3, "users_with_fewer": 1}
+    with pytest.raises(ValueError, match="test_points must be >= 1"):
+        PrepConfig(test_points=0)

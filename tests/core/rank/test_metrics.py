@@ -170,7 +170,7 @@ def test_reasoning_values_by_hand() -> None:
             for e, r in rows
         ]
     )
-    values = M.reasoning_values(frame, {("test", 7): CONTEXT}, lambda text: len(text.split()))
+    values = M.reasoning_values(frame, {("test", 7, 0): CONTEXT}, lambda text: len(text.split()))
     assert values["explanation_rate"].tolist() == [1, 1, 1, 1, 0]
     assert values["cites_rate"].tolist() == [1, 1, 1, 0, 0]
     assert values["grounded_rate"].tolist() == [1, 1, 0, 0, 0]
@@ -195,7 +195,7 @@ def test_reasoning_metrics_per_variant_skip_the_prerank() -> None:
             base | {"system": "rl", "tau": 0.9, "nfe": 4, "ranking": [502, 501, 503]},
         ]
     )
-    rows = M.reasoning_metrics(frame, {("test", 7): CONTEXT}, lambda t: 1, n_boot=50)
+    rows = M.reasoning_metrics(frame, {("test", 7, 0): CONTEXT}, lambda t: 1, n_boot=50)
     assert [(r["system"], r["tau"], r["window"], r["n"]) for r in rows] == [
         ("ar_rl", None, None, 1),
         ("rl", 0.9, None, 2),
@@ -217,4 +217,4 @@ def test_prompt_contexts_read_history_and_candidates_from_the_prompt() -> None:
         ]
     )
     contexts = M.prompt_contexts(requests, lambda ids: f"History: {H1} Candidates: {C1} {C2}")
-    assert contexts[("test", 7)] == M.PromptContext(frozenset({H1, C1, C2}), {501: C1, 502: C2})
+    assert contexts[("test", 7, 0)] == M.PromptContext(frozenset({H1, C1, C2}), {501: C1, 502: C2})

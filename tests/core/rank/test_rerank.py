@@ -153,7 +153,9 @@ def _hand_requests(positions: list[int], split: str = "test") -> pd.DataFrame:
     rows = []
     for u, pos in enumerate(positions):
         cands = list(range(100 * u, 100 * u + 10))
-        rows.append({"user_id": u, "split": split, "target": cands[pos - 1], "target_position": pos})
+        rows.append(
+            {"user_id": u, "split": split, "point": 0, "target": cands[pos - 1], "target_position": pos}
+        )
         rows[-1] |= {
             "candidates": cands,
             "candidate_sids": [f"<a_{i}>" for i in range(10)],
@@ -249,7 +251,7 @@ def test_eval_metrics_names_and_markdown_table() -> None:
 def test_select_requests_filters_sorts_and_caps() -> None:
     reqs = pd.concat([_hand_requests([1, 2, 3]).iloc[::-1], _hand_requests([4], split="valid")])
     assert select_requests(reqs)["user_id"].tolist() == [0, 1, 2]
-    assert select_requests(reqs, max_users=2)["user_id"].tolist() == [0, 1]
+    assert select_requests(reqs, max_requests=2)["user_id"].tolist() == [0, 1]
     assert select_requests(reqs, split="valid")["user_id"].tolist() == [0]
 
 
@@ -258,3 +260,30 @@ def test_plots_render_to_png(tmp_path: Path) -> None:
     for name, fig in {"r1": metric_figure(rows), "valid": valid_rate_figure(rows)}.items():
         fig.savefig(tmp_path / f"{name}.png")
         assert (tmp_path / f"{name}.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_systems_are_paired_by_request_not_by_user() -> None:
+    """Two points of one user are two requests: the pairing matches (split, user, point), not row order."""
+    reqs = pd.concat([_hand_requests([1, 1, 4]), _hand_requests([2, 1, 2])], ignore_index=True)
+    reqs["point"] = [0, 0, 0, 1, 1, 1]
+    floor = prerank_rows(reqs)  # R@1 1, 1, 0 at point 0; 0, 1, 0 at point 1
+    same = floor.assign(system="ar_rl").iloc[::-1]  # the same answers, rows in another order
+    (cmp,) = [
+        c
+        for c in compare_systems(pd.concat([floor, same]), EvaluationConfig(n_boot=50))
+        if c["metric"] == "recall@1" and c["baseline"] == "prerank"
+    ]
+    assert (cmp["n"], cmp["mean_diff"], cmp["low"], cmp["high"]) == (6, 0.0, 0.0, 0.0)
+    # a pass decoded on fewer requests (the capped tau sweep) is paired on those only
+    sweep = floor.iloc[:2].assign(system="rl", tau=0.6, ranking=[[1], [101]])  # misses both targets
+    rows = compare_systems(
+        pd.concat([floor, sweep]), EvaluationConfig(n_boot=50, compare_metrics=("recall@1",))
+    )
+    assert [(r["system"], r["n"], r["mean_diff"]) for r in rows] == [("rl", 2, -1.0)]
+
+
+def test_select_requests_orders_by_point_then_user() -> None:
+    reqs = pd.concat([_hand_requests([1, 2, 3]), _hand_requests([4, 5, 6])], ignore_index=True)
+    reqs["point"] = [1, 1, 1, 0, 0, 0]
+    rows = select_requests(reqs, max_requests=4)
+    assert list(zip(rows["point"], rows["user_id"], strict=True)) == [(0, 0), (0, 1), (0, 2), (1, 0)]

@@ -29,6 +29,8 @@ def cyclic_splits(num_users: int, num_items: int, min_len: int, max_len: int, se
                 "valid_timestamp": stamps[-2],
                 "test_item": seq[-1],
                 "test_timestamp": stamps[-1],
+                "test_items": seq[-1:],
+                "test_timestamps": stamps[-1:],
             }
         )
     return pd.DataFrame(rows).astype({"user_id": "int64", "valid_item": "int64", "test_item": "int64"})

@@ -8,9 +8,10 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from diffusion_gr2.core.data.schemas import SchemaValidationError
+from diffusion_gr2.core.data.prepare import leave_one_out
+from diffusion_gr2.core.data.schemas import SchemaValidationError, splits_schema, validate
 from diffusion_gr2.core.retrieval.candidates import COLUMNS, CandidateConfig, build_candidates
-from diffusion_gr2.core.retrieval.evaluation import mask_history, top_n
+from diffusion_gr2.core.retrieval.evaluation import histories_before_valid, mask_history, top_n
 from diffusion_gr2.core.retrieval.validation import check_candidates, validate_candidates
 
 NUM_ITEMS, N = 30, 10
@@ -40,6 +41,8 @@ def arithmetic_splits(num_users: int = 12) -> pd.DataFrame:
                 "valid_timestamp": 100,
                 "test_item": seq[-1],
                 "test_timestamp": 101,
+                "test_items": seq[-1:],
+                "test_timestamps": [101],
             }
         )
     return pd.DataFrame(rows)
@@ -123,7 +126,7 @@ def test_retrieved_mode_never_fills_a_list_with_history_items() -> None:
     splits = arithmetic_splits(3)
     full = splits.copy()
     full.at[0, "train_items"] = [i for i in range(NUM_ITEMS) if i not in (28, 29)][:-3]  # 3 items left
-    full.at[0, "valid_item"], full.at[0, "test_item"] = 28, 29
+    full.at[0, "valid_item"], full.at[0, "test_item"], full.at[0, "test_items"] = 28, 29, [29]
     result = build_candidates(full, successor_scores(NUM_ITEMS), CandidateConfig(n=N), NUM_ITEMS)
     frame = result.frame
     assert not ((frame["user_id"] == 0) & (frame["split"] != "train")).any()
@@ -163,3 +166,52 @@ def test_gx_suite_passes_good_lists_and_names_each_corruption(tmp_path) -> None:
     assert "n_foreign" in summary and "2:train/" in summary
     saved = json.loads((tmp_path / "bad.json").read_text())
     assert saved["success"] is False and (tmp_path / "candidates.json").exists()
+
+
+def _walks(num_users: int = 12, length: int = 9, test_points: int = 3) -> pd.DataFrame:
+    """A real preparation of per-user walks over the catalogue, with `test_points` held out per user."""
+    rows = [(u, (u + k) % NUM_ITEMS, 100 * k + u) for u in range(num_users) for k in range(length)]
+    frame = pd.DataFrame(rows, columns=["user_id", "item_id", "timestamp"]).assign(rating=float("nan"))
+    return leave_one_out(frame.sort_values(["user_id", "timestamp"], kind="stable"), test_points)
+
+
+def _training_data(frame: pd.DataFrame, splits: pd.DataFrame) -> set[tuple[int, int]]:
+    """(user, item) of everything a model trains on: train rows (traces, SFT, RL) and the retriever's data."""
+    train = frame[frame["split"] == "train"]
+    rows = {(int(u), int(i)) for u, h, t in zip(train["user_id"], train["history"], train["target"], strict=True)
+            for i in [*h, t]}  # fmt: skip
+    retriever = {(int(u), int(i)) for u, h in zip(splits["user_id"], histories_before_valid(splits), strict=True)
+                 for i in h}  # fmt: skip
+    return rows | retriever
+
+
+def test_several_test_points_per_user_with_everything_before_each() -> None:
+    splits = _walks(test_points=3)
+    config = CandidateConfig(n=N, mode="sampled", train_prefixes=2, history_cap=20, seed=1)
+    frame = build_candidates(splits, None, config, NUM_ITEMS).frame
+    test = frame[frame["split"] == "test"]
+    assert test.groupby("user_id")["point"].apply(list).map(lambda p: p == [0, 1, 2]).all()
+    for row in test.itertuples(index=False):
+        walk = [(row.user_id + k) % NUM_ITEMS for k in range(9)]
+        position = 6 + row.point  # 9 interactions: 5 train, validation at 5, test points at 6, 7, 8
+        assert row.target == walk[position] and list(row.history) == walk[:position]
+    assert (frame.loc[frame["split"] == "valid", "point"] == 0).all()
+    held_out = {(int(u), int(t)) for u, t in zip(test["user_id"], test["target"], strict=True)}
+    assert len(held_out) == 3 * len(splits) and not held_out & _training_data(frame, splits)
+    validate_candidates(frame, N, NUM_ITEMS)
+
+
+def test_a_test_point_leaked_into_train_is_caught() -> None:
+    """Moving the last test point of a user into their train part trips the split and candidate checks."""
+    splits = _walks(test_points=3)
+    leaky = splits.copy()
+    leaky.at[4, "train_items"] = [*leaky.at[4, "train_items"][1:], int(leaky.at[4, "test_items"][-1])]
+    with pytest.raises(SchemaValidationError, match="test_item_not_in_train"):
+        validate(leaky, splits_schema(NUM_ITEMS), "splits")
+    config = CandidateConfig(n=N, mode="sampled", train_prefixes=2, seed=1)
+    frame = build_candidates(leaky, None, config, NUM_ITEMS).frame
+    test = frame[frame["split"] == "test"]
+    held_out = {(int(u), int(t)) for u, t in zip(test["user_id"], test["target"], strict=True)}
+    assert held_out & _training_data(frame, leaky) == {(4, (4 + 8) % NUM_ITEMS)}
+    with pytest.raises(SchemaValidationError, match="held_out_target_not_in_train_rows"):
+        validate_candidates(frame, N, NUM_ITEMS)

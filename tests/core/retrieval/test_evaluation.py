@@ -46,7 +46,13 @@ def test_mask_history_sets_every_history_item_to_minus_inf() -> None:
 
 def test_popularity_counts_train_parts_only_and_never_proposes_history() -> None:
     splits = pd.DataFrame(
-        {"user_id": [0, 1], "train_items": [[0, 1], [1, 2]], "valid_item": [3, 3], "test_item": [4, 0]}
+        {
+            "user_id": [0, 1],
+            "train_items": [[0, 1], [1, 2]],
+            "valid_item": [3, 3],
+            "test_item": [4, 0],
+            "test_items": [[4], [0]],
+        }
     )
     counts = popularity_counts(splits, num_items=5)
     np.testing.assert_array_equal(counts, [1, 2, 1, 0, 0])

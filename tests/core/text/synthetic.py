@@ -90,6 +90,7 @@ def make_candidates(
             {
                 "user_id": user,
                 "split": "train",
+                "point": 0,  # one request per user and split
                 "history": history,
                 "target": target,
                 "candidates": cands,

@@ -2,7 +2,9 @@
 
 Order of operations: optional rating filter (off by default) → stable chronological sort (ties keep
 file order) → drop repeated (user, item) pairs keeping the earliest → iterative k-core on users and
-items → remap ids (items with a seeded shuffle) → leave-one-out split → schema validation → statistics.
+items → remap ids (items with a seeded shuffle) → hold-out split (the last `test_points` interactions of
+each user are test requests, the one before them validation, the rest train) → schema validation →
+statistics.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ __all__ = [
     "leave_one_out",
     "prepare",
     "remap_items",
+    "points_per_user",
 ]
 
 MIN_USER_INTERACTIONS = 3  # leave-one-out needs one train, one validation and one test interaction
@@ -43,6 +46,11 @@ class PrepConfig:
     seed: int = 42  # seeds the item-id shuffle
     max_reject_share: float | None = 0.05  # per raw file; above it preparation stops (None: never)
     min_rating: float | None = None  # keep only ratings >= this; None = no rating filter (DESIGN §3)
+    test_points: int = 1  # last interactions of each user held out as test requests (1 = leave-one-out)
+
+    def __post_init__(self) -> None:
+        if self.test_points < 1:
+            raise ValueError(f"data_prep.test_points must be >= 1, got {self.test_points}")
 
     @classmethod
     def from_params(cls, params: Mapping[str, Any]) -> PrepConfig:
@@ -177,9 +185,23 @@ def catalogue(raw: RawDataset, items: dict[str, int]) -> pd.DataFrame:
     return frame[columns].sort_values("item_id").reset_index(drop=True)
 
 
-def leave_one_out(interactions: pd.DataFrame) -> pd.DataFrame:
-    """The ``splits`` frame: per user, last item = test, second-to-last = validation, the rest train.
+def points_per_user(lengths: np.ndarray, test_points: int) -> np.ndarray:
+    """[u] interactions per user -> [u] test points per user: min(test_points, n - 2).
 
+    The rule for short users: every user keeps at least one train and one validation interaction, so a
+    user with fewer than test_points + 2 interactions gives fewer test points (counted in `data_stats`).
+    """
+    return np.minimum(int(test_points), np.asarray(lengths, dtype=np.int64) - 2)
+
+
+def leave_one_out(interactions: pd.DataFrame, test_points: int = 1) -> pd.DataFrame:
+    """The ``splits`` frame: per user, the last p = `points_per_user` interactions are test points,
+    the one before them validation, the rest train.
+
+    ``test_items``/``test_timestamps`` hold the p test points in time order; each is asked with the
+    history a server would have had (everything before it), so point k's history holds points 0..k-1,
+    which no model trains on. ``test_item``/``test_timestamp`` are point 0, the one whose history is
+    train + validation: with ``test_points=1`` this is leave-one-out, column for column.
     ``interactions`` must be sorted by user then time with >= 3 rows per user.
     """
     users = interactions["user_id"].to_numpy()
@@ -187,30 +209,40 @@ def leave_one_out(interactions: pd.DataFrame) -> pd.DataFrame:
     times = interactions["timestamp"].to_numpy()
     starts = np.flatnonzero(np.r_[True, users[1:] != users[:-1]]) if len(users) else np.array([], int)
     ends = np.r_[starts[1:], len(users)].astype(int)
+    firsts = ends - points_per_user(ends - starts, test_points)  # [u] index of each user's point 0
+    spans = list(zip(starts, firsts, ends, strict=True))
     return pd.DataFrame(
         {
             "user_id": users[starts].astype(np.int64),
-            "train_items": [items[s : e - 2].tolist() for s, e in zip(starts, ends, strict=True)],
-            "train_timestamps": [times[s : e - 2].tolist() for s, e in zip(starts, ends, strict=True)],
-            "valid_item": items[ends - 2].astype(np.int64),
-            "valid_timestamp": times[ends - 2].astype(np.int64),
-            "test_item": items[ends - 1].astype(np.int64),
-            "test_timestamp": times[ends - 1].astype(np.int64),
+            "train_items": [items[s : f - 1].tolist() for s, f, _ in spans],
+            "train_timestamps": [times[s : f - 1].tolist() for s, f, _ in spans],
+            "valid_item": items[firsts - 1].astype(np.int64),
+            "valid_timestamp": times[firsts - 1].astype(np.int64),
+            "test_item": items[firsts].astype(np.int64),
+            "test_timestamp": times[firsts].astype(np.int64),
+            "test_items": [items[f:e].tolist() for _, f, e in spans],
+            "test_timestamps": [times[f:e].tolist() for _, f, e in spans],
         }
     )
 
 
-def data_stats(raw: RawDataset, interactions: pd.DataFrame, num_items: int) -> dict[str, Any]:
-    """``data_stats.json`` with exactly the keys of DESIGN §10, as plain Python numbers."""
+def data_stats(
+    raw: RawDataset, interactions: pd.DataFrame, num_items: int, test_points: int = 1
+) -> dict[str, Any]:
+    """``data_stats.json``: the keys of DESIGN §10 as plain Python numbers, plus ``test_points``
+    (points asked per user, and how many users had too few interactions to give them all)."""
     lengths = interactions.groupby("user_id").size()
     n_users, n_rows = int(lengths.size), len(interactions)
+    points = points_per_user(lengths.to_numpy(), test_points)
+    n_test = int(points.sum())
     return {
         "users": n_users,
         "items": int(num_items),
         "interactions": int(n_rows),
         "mean_history": round(float(lengths.mean()), 4) if n_users else 0.0,
         "median_history": float(lengths.median()) if n_users else 0.0,
-        "splits": {"train": n_rows - 2 * n_users, "valid": n_users, "test": n_users},
+        "splits": {"train": n_rows - n_users - n_test, "valid": n_users, "test": n_test},
+        "test_points": {"per_user": int(test_points), "users_with_fewer": int((points < test_points).sum())},
         "rows_read": int(raw.rows_read),
         "rows_rejected": len(raw.rejects),
         "rejected_by_reason": raw.rejected_by_reason(),
@@ -218,8 +250,8 @@ def data_stats(raw: RawDataset, interactions: pd.DataFrame, num_items: int) -> d
 
 
 def prepare(raw: RawDataset, config: PrepConfig | None = None) -> PreparedData:
-    """Optional rating filter, dedup, iterative k-core, chronological sort, seeded remap, leave-one-out
-    split, schema validation; see the module docstring for the order."""
+    """Optional rating filter, dedup, iterative k-core, chronological sort, seeded remap, hold-out
+    split (`test_points`), schema validation; see the module docstring for the order."""
     config = config or PrepConfig()
     check_reject_share(raw, config.max_reject_share)
     if raw.interactions.empty:
@@ -237,7 +269,8 @@ def prepare(raw: RawDataset, config: PrepConfig | None = None) -> PreparedData:
     num_items = len(item_map)
     interactions = validate(interactions, interactions_schema(num_items, config.dedup), "interactions")
     items = validate(catalogue(raw, item_map), items_schema(num_items), "items")
-    splits = validate(leave_one_out(interactions), splits_schema(num_items, not config.dedup), "splits")
-    stats = data_stats(raw, interactions, num_items)
+    splits = leave_one_out(interactions, config.test_points)
+    splits = validate(splits, splits_schema(num_items, not config.dedup), "splits")
+    stats = data_stats(raw, interactions, num_items, config.test_points)
     logger.info("prepared %s: %s", raw.source, stats)
     return PreparedData(interactions=interactions, items=items, splits=splits, stats=stats)

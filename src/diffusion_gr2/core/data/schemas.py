@@ -126,41 +126,56 @@ def items_schema(num_items: int | None = None) -> pa.DataFrameSchema:
 
 
 def _split_frame_checks(allow_repeats: bool) -> list[pa.Check]:
-    """Cross-column rules of a leave-one-out split (chronology and no target leakage)."""
+    """Cross-column rules of a hold-out split (chronology and no target leakage).
 
-    def lengths_match(df: pd.DataFrame) -> pd.Series:
-        return df["train_items"].map(len) == df["train_timestamps"].map(len)
+    Every test point is asked after the validation point (hence after every train interaction), the
+    scalar ``test_item``/``test_timestamp`` are point 0, and with dedup no test point is a train or
+    validation item of its user, nor another test point of theirs.
+    """
+
+    def row_rule(rule: Any, *columns: str) -> Any:
+        def check(df: pd.DataFrame) -> pd.Series:
+            return pd.Series(
+                [bool(rule(*v)) for v in zip(*(df[c] for c in columns), strict=True)], index=df.index
+            )
+
+        return check
+
+    def first_is(column: str, points: str) -> Any:
+        return row_rule(lambda value, seq: _length(seq) > 0 and int(seq[0]) == int(value), column, points)
 
     def valid_after_train(df: pd.DataFrame) -> pd.Series:
         last = df["train_timestamps"].map(lambda ts: max(ts) if len(ts) else -1)
         return df["valid_timestamp"] >= last
 
-    def test_after_valid(df: pd.DataFrame) -> pd.Series:
-        return df["test_timestamp"] >= df["valid_timestamp"]
-
-    def not_in_train(column: str) -> Any:
-        def check(df: pd.DataFrame) -> pd.Series:
-            pairs = zip(df[column], df["train_items"], strict=True)
-            return pd.Series([int(t) not in set(map(int, tr)) for t, tr in pairs], index=df.index)
-
-        return check
+    def not_in_train(points: Any, train: Any) -> bool:
+        held_out = set(map(int, [points] if np.isscalar(points) else points))
+        return held_out.isdisjoint(map(int, train))
 
     checks = [
-        pa.Check(lengths_match, name="train_lengths_match"),
+        pa.Check(row_rule(lambda a, b: _length(a) == _length(b), "train_items", "train_timestamps"),
+                 name="train_lengths_match"),
+        pa.Check(row_rule(lambda a, b: _length(a) == _length(b), "test_items", "test_timestamps"),
+                 name="test_lengths_match"),
         pa.Check(valid_after_train, name="valid_not_before_train"),
-        pa.Check(test_after_valid, name="test_not_before_valid"),
-    ]
+        pa.Check(lambda df: df["test_timestamp"] >= df["valid_timestamp"], name="test_not_before_valid"),
+        pa.Check(first_is("test_item", "test_items"), name="test_item_is_first_test_point"),
+        pa.Check(first_is("test_timestamp", "test_timestamps"), name="test_timestamp_is_first_test_point"),
+    ]  # fmt: skip
     if not allow_repeats:
+        distinct = row_rule(lambda seq: len(set(map(int, seq))) == len(seq), "test_items")
         checks += [
-            pa.Check(not_in_train("test_item"), name="test_item_not_in_train"),
-            pa.Check(not_in_train("valid_item"), name="valid_item_not_in_train"),
-            pa.Check(lambda df: df["valid_item"] != df["test_item"], name="valid_item_not_test_item"),
+            pa.Check(row_rule(not_in_train, "test_items", "train_items"), name="test_item_not_in_train"),
+            pa.Check(row_rule(not_in_train, "valid_item", "train_items"), name="valid_item_not_in_train"),
+            pa.Check(row_rule(not_in_train, "valid_item", "test_items"), name="valid_item_not_test_item"),
+            pa.Check(distinct, name="test_points_distinct"),
         ]
     return checks
 
 
 def splits_schema(num_items: int | None = None, allow_repeats: bool = False) -> pa.DataFrameSchema:
-    """One row per user: non-empty chronological train part, then validation, then test item.
+    """One row per user: non-empty chronological train part, then the validation item, then the test
+    points in time order (``test_items``; ``test_item`` is the first of them).
 
     ``allow_repeats`` lifts the "target not in the user's train items" rules for data prepared
     without dedup, where re-consumption is legitimate.
@@ -181,6 +196,17 @@ def splits_schema(num_items: int | None = None, allow_repeats: bool = False) -> 
             "valid_timestamp": _timestamp_column(),
             "test_item": _id_column(num_items),
             "test_timestamp": _timestamp_column(),
+            "test_items": pa.Column(
+                object,
+                pa.Check(
+                    lambda v: _int_list_in_range(v, num_items, True),
+                    element_wise=True,
+                    name="test_points_list",
+                ),
+            ),
+            "test_timestamps": pa.Column(
+                object, pa.Check(_non_decreasing, element_wise=True, name="test_timestamps_non_decreasing")
+            ),
         },
         checks=_split_frame_checks(allow_repeats),
         strict=True,
@@ -235,27 +261,25 @@ def _request_row_checks() -> list[pa.Check]:
         )
 
     def one_row_per_request(df: pd.DataFrame) -> pd.Series:
-        # valid/test: one row per user; train rows differ by prefix, i.e. by their prompt
-        keys = [
-            (u, s) if s != "train" else (u, s, int(t), tuple(map(int, p)))
-            for u, s, t, p in zip(df["user_id"], df["split"], df["target"], df["prompt_ids"], strict=True)
-        ]
-        return ~pd.Series(keys, index=df.index).duplicated(keep="first")
+        # (split, user, point) is the request's key: systems are paired on it
+        return ~df.duplicated(["split", "user_id", "point"], keep="first")
 
     return [
         pa.Check(sids_match_candidates, name="one_sid_per_candidate"),
         pa.Check(target_at_position, name="target_at_target_position"),
-        pa.Check(one_row_per_request, name="one_row_per_user_and_split"),
+        pa.Check(one_row_per_request, name="one_row_per_request"),
     ]
 
 
 def requests_schema() -> pa.DataFrameSchema:
     """The ``requests`` frame every model stage reads (``core/text/examples.py``): a prompt, its
-    candidates in pre-rank order with one well-formed, distinct SID each, and the target among them."""
+    candidates in pre-rank order with one well-formed, distinct SID each, and the target among them;
+    one row per (``split``, ``user_id``, ``point``)."""
     return pa.DataFrameSchema(
         {
             "user_id": _id_column(),
             "split": pa.Column(str, pa.Check.isin(REQUEST_SPLITS)),
+            "point": _id_column(),
             "target": _id_column(),
             "target_position": pa.Column("int64", pa.Check.ge(1)),
             "candidates": pa.Column(

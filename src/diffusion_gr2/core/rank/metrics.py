@@ -24,6 +24,7 @@ __all__ = [
     "REASONING_METRICS",
     "PairedBootstrap",
     "PromptContext",
+    "REQUEST_KEY",
     "bootstrap_ci",
     "cited_sids",
     "explanation_of",
@@ -35,6 +36,7 @@ __all__ = [
     "reasoning_metrics",
     "reasoning_values",
     "reciprocal_rank",
+    "request_key",
     "stated_top_pick",
     "system_metrics",
     "target_rank",
@@ -54,6 +56,9 @@ METRICS = (
     "fallback_rate",
     "recall@1_unforced",
 )
+# What identifies a request (docs/evaluation.md): a user asked at one held-out time point of a split.
+# Systems are paired on it; a user alone is not enough once a user has several test points.
+REQUEST_KEY = ("split", "user_id", "point")
 _CHUNK_ELEMENTS = 4_000_000  # bootstrap/catalog work is chunked to bound memory (~32 MB of float64)
 
 
@@ -84,6 +89,11 @@ def target_rank(ranking: Iterable[Hashable] | None, target: Hashable) -> int:
         if item == target:
             return position
     return 0
+
+
+def request_key(row: Mapping[str, Any]) -> tuple[str, int, int]:
+    """`REQUEST_KEY` of one row; a row without `split`/`point` is a test row at point 0 (leave-one-out)."""
+    return (str(row.get("split", "test")), int(row["user_id"]), int(row.get("point", 0)))
 
 
 def _rows(frame: pd.DataFrame | Iterable[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
@@ -280,14 +290,14 @@ class PromptContext:
 
 def prompt_contexts(
     requests: pd.DataFrame, prompt_text: Callable[[Sequence[int]], str]
-) -> dict[tuple[str, int], PromptContext]:
-    """(split, user_id) -> what that request's prompt shows; `prompt_text` turns prompt ids into text
+) -> dict[tuple[str, int, int], PromptContext]:
+    """`request_key` -> what that request's prompt shows; `prompt_text` turns prompt ids into text
     with the SID tokens kept (`tokenizer.decode`)."""
     out = {}
-    for req in requests.itertuples(index=False):
-        shown = frozenset(cited_sids(prompt_text([int(t) for t in req.prompt_ids])))
-        sid_of = {int(i): str(s) for i, s in zip(req.candidates, req.candidate_sids, strict=True)}
-        out[(str(req.split), int(req.user_id))] = PromptContext(shown, sid_of)
+    for req in _rows(requests):
+        shown = frozenset(cited_sids(prompt_text([int(t) for t in req["prompt_ids"]])))
+        sid_of = {int(i): str(s) for i, s in zip(req["candidates"], req["candidate_sids"], strict=True)}
+        out[request_key(req)] = PromptContext(shown, sid_of)
     return out
 
 
@@ -315,17 +325,17 @@ def stated_top_pick(explanation: str, candidates: Iterable[str]) -> str | None:
 
 def reasoning_values(
     frame: pd.DataFrame | Iterable[Mapping[str, Any]],
-    contexts: Mapping[tuple[str, int], PromptContext],
+    contexts: Mapping[tuple[str, int, int], PromptContext],
     count_tokens: Callable[[str], int],
 ) -> dict[str, np.ndarray]:
     """Per-answer value of every name in :data:`REASONING_METRICS` (each [u]; definitions above).
 
-    Rows need `split`, `user_id`, `output_text` and `ranking` (item ids as served); `contexts` maps
-    (split, user_id) to that request's prompt.
+    Rows need `split`, `user_id`, `point`, `output_text` and `ranking` (item ids as served);
+    `contexts` maps each `request_key` to that request's prompt.
     """
     out: dict[str, list[float]] = {name: [] for name in REASONING_METRICS}
     for row in _rows(frame):
-        context = contexts[(str(row.get("split", "test")), int(row["user_id"]))]
+        context = contexts[request_key(row)]
         explanation = explanation_of(row["output_text"])
         cited = cited_sids(explanation or "")
         pick = stated_top_pick(explanation or "", context.candidate_sid.values())
@@ -341,7 +351,7 @@ def reasoning_values(
 
 def reasoning_metrics(
     rankings: pd.DataFrame,
-    contexts: Mapping[tuple[str, int], PromptContext],
+    contexts: Mapping[tuple[str, int, int], PromptContext],
     count_tokens: Callable[[str], int],
     n_boot: int = 1000,
     seed: int = 0,

@@ -27,7 +27,13 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from diffusion_gr2.core.decode.decoder import DecodeConfig, DecodeOutput, decode
 from diffusion_gr2.core.decode.grammar import AnswerGrammar, answer_grammars
-from diffusion_gr2.core.rank.metrics import METRICS, paired_bootstrap, system_metrics, user_values
+from diffusion_gr2.core.rank.metrics import (
+    METRICS,
+    paired_bootstrap,
+    request_key,
+    system_metrics,
+    user_values,
+)
 from diffusion_gr2.core.text.parser import OK, apply_fallback, parse_answer
 from diffusion_gr2.core.text.tokenizer import IM_END, decode_response
 
@@ -67,6 +73,7 @@ RANKING_COLUMNS = (
     "tau",
     "window",
     "user_id",
+    "point",
     "target",
     "prerank",
     "ranking",
@@ -154,12 +161,16 @@ def decode_config_for(
 
 
 def select_requests(
-    requests: pd.DataFrame, split: str = "test", max_users: int | None = None
+    requests: pd.DataFrame, split: str = "test", max_requests: int | None = None
 ) -> pd.DataFrame:
-    """Rows of `split`, sorted by user id; the first `max_users` of them when capped (deterministic)."""
-    rows = requests[requests["split"] == split].sort_values("user_id", kind="stable")
-    if max_users is not None:
-        rows = rows.head(int(max_users))
+    """Rows of `split` by point, then user id; the first `max_requests` of them when capped.
+
+    Point-major order makes every prefix deterministic and spread over as many users as it can:
+    the first U requests are point 0 of every user, i.e. the leave-one-out test set.
+    """
+    rows = requests[requests["split"] == split].sort_values(["point", "user_id"], kind="stable")
+    if max_requests is not None:
+        rows = rows.head(int(max_requests))
     return rows.reset_index(drop=True)
 
 
@@ -227,6 +238,7 @@ def ranking_rows(
                 "tau": _tau_value(tau),
                 "window": _tau_value(window),
                 "user_id": int(req.user_id),
+                "point": int(req.point),
                 "target": int(req.target),
                 "prerank": items,
                 "ranking": [item_of[s] for s in apply_fallback(parsed, sids)],
@@ -347,6 +359,7 @@ def prerank_rows(requests: pd.DataFrame, split: str = "test") -> pd.DataFrame:
             "tau": float("nan"),
             "window": float("nan"),
             "user_id": requests["user_id"].astype("int64").to_numpy(),
+            "point": requests["point"].astype("int64").to_numpy(),
             "target": requests["target"].astype("int64").to_numpy(),
             "prerank": prerank,
             "ranking": [list(p) for p in prerank],
@@ -368,10 +381,10 @@ def prerank_rows(requests: pd.DataFrame, split: str = "test") -> pd.DataFrame:
 class EvaluationConfig:
     """Bootstrap settings and the comparisons of the evaluation stage."""
 
-    n_boot: int = 1000  # bootstrap resamples of users (CI and paired tests)
+    n_boot: int = 1000  # bootstrap resamples of requests (CI and paired tests)
     seed: int = 0  # resampling seed
     baselines: tuple[str, ...] = ("ar_rl", "prerank")  # every system is compared with each of these
-    compare_metrics: tuple[str, ...] = ("recall@1", "ndcg@3")  # per-user metrics compared
+    compare_metrics: tuple[str, ...] = ("recall@1", "ndcg@3")  # per-request metrics compared
 
 
 def stage_metrics(rankings: pd.DataFrame, n_boot: int = 1000, seed: int = 0) -> list[dict[str, Any]]:
@@ -420,16 +433,23 @@ def _groups(rankings: pd.DataFrame) -> list[tuple[Variant, pd.DataFrame]]:
     return out
 
 
+def _by_request(rows: pd.DataFrame) -> pd.DataFrame:
+    """`rows` indexed by `request_key` (split, user, point): a user may be asked at several points."""
+    return rows.set_index(pd.MultiIndex.from_tuples([request_key(r) for r in rows.to_dict("records")]))
+
+
 def _aligned_values(a: pd.DataFrame, b: pd.DataFrame, metric: str) -> tuple[Any, Any]:
-    """Per-user values of `metric` for the users both frames rank, in the same user order ([u] each)."""
-    users = sorted(set(a["user_id"]) & set(b["user_id"]))
-    a_rows = a.set_index("user_id").loc[users].reset_index()
-    b_rows = b.set_index("user_id").loc[users].reset_index()
-    return user_values(a_rows)[metric], user_values(b_rows)[metric]
+    """Per-request values of `metric` for the requests both frames rank, in one request order ([r] each).
+
+    A tau of the sweep decoded on fewer requests is paired on those only.
+    """
+    a_rows, b_rows = _by_request(a), _by_request(b)
+    keys = sorted(set(a_rows.index) & set(b_rows.index))
+    return user_values(a_rows.loc[keys])[metric], user_values(b_rows.loc[keys])[metric]
 
 
 def _paired_rows(a: pd.DataFrame, b: pd.DataFrame, config: EvaluationConfig) -> list[dict[str, Any]]:
-    """One paired bootstrap (a - b) per compared metric, on the users both frames rank."""
+    """One paired bootstrap (a - b) per compared metric, on the requests both frames rank."""
     out = []
     for metric in config.compare_metrics:
         a_vals, b_vals = _aligned_values(a, b, metric)
@@ -440,11 +460,11 @@ def _paired_rows(a: pd.DataFrame, b: pd.DataFrame, config: EvaluationConfig) -> 
 
 
 def compare_systems(rankings: pd.DataFrame, config: EvaluationConfig) -> list[dict[str, Any]]:
-    """Paired bootstrap of every variant against each baseline present on the same split and users.
+    """Paired bootstrap of every variant against each baseline present on the same split and requests.
 
     Rows: `split, system, tau, window, baseline, baseline_tau, metric, n, mean_diff, low, high,
-    p_value`, where `mean_diff` = system - baseline. Pairing by user cancels the per-user difficulty
-    both share.
+    p_value`, where `mean_diff` = system - baseline. Pairing by request (`request_key`: split, user,
+    point) cancels the per-request difficulty both share.
     """
     groups = _groups(rankings)
     rows: list[dict[str, Any]] = []
@@ -496,7 +516,7 @@ def metrics_markdown(stage_rows: Sequence[Mapping[str, Any]]) -> str:
         cells += [_cell(row, m) for m in METRICS]
         lines.append("| " + " | ".join(cells) + " |")
     note = (
-        "\nMetrics with 95% bootstrap intervals over users; tau — = autoregressive (no threshold); "
+        "\nMetrics with 95% bootstrap intervals over requests; tau — = autoregressive (no threshold); "
         "window — = the whole block fed at every step. Choices are made on `valid`, `test` is reported.\n"
         "valid_rate: served answers that are valid rankings (the rest fall back to the pre-rank); "
         "unforced_rate: valid answers the decoding grammar never corrected, i.e. the model's own "

@@ -1,8 +1,10 @@
 """Candidate lists for the re-ranker: the `candidates` frame of docs/architecture.md.
 
 Rows: `train` from the last `train_prefixes` prefixes of each user's training part (target = the next
-training item), `valid` predicts the validation item from the training part, `test` predicts the test
-item from training part + validation item. Two modes (DESIGN §4):
+training item), `valid` predicts the validation item from the training part, `test` predicts each test
+point from everything before it (`evaluation.heldout_points`). `point` tells a user's rows of one split
+apart: the test point (0 = earliest), 0 for validation, the prefix length for train rows; with
+(`split`, `user_id`) it is the request's key, on which systems are paired. Two modes (DESIGN §4):
 
 * `retrieved`: the retriever's top-N with history masked, in retriever order (the pre-rank); a row is
   kept only when its target is in the top-N, as the Diffusion-GR2 / GR2 papers do.
@@ -20,12 +22,12 @@ import numpy as np
 import pandas as pd
 from tqdm.auto import tqdm
 
-from diffusion_gr2.core.retrieval.evaluation import ScoreFn, mask_history, top_n
+from diffusion_gr2.core.retrieval.evaluation import ScoreFn, heldout_points, mask_history, top_n
 
 logger = logging.getLogger(__name__)
 
 SPLITS = ("train", "valid", "test")
-COLUMNS = ("user_id", "split", "history", "target", "candidates", "target_position")
+COLUMNS = ("user_id", "split", "point", "history", "target", "candidates", "target_position")
 
 
 @dataclass(frozen=True)
@@ -47,20 +49,25 @@ class CandidateSet:
 
 
 def candidate_requests(splits: pd.DataFrame, train_prefixes: int) -> pd.DataFrame:
-    """One row per (user, split, target) to build a list for: `user_id, split, history (uncapped), target`."""
-    rows: list[tuple[int, str, list[int], int]] = []
-    for user, train, valid, test in zip(
-        splits["user_id"], splits["train_items"], splits["valid_item"], splits["test_item"], strict=True
+    """One row per (split, user, point) to build a list for: `user_id, split, point, history (uncapped),
+    target`, by split, then user, then point."""
+    rows: list[tuple[int, str, int, list[int], int]] = []
+    for user, train, valid in zip(
+        splits["user_id"], splits["train_items"], splits["valid_item"], strict=True
     ):
         train = [int(x) for x in train]
         # Prefixes need a non-empty history, so the first training item is never a target.
         for j in range(max(1, len(train) - train_prefixes), len(train)):
-            rows.append((int(user), "train", train[:j], train[j]))
-        rows.append((int(user), "valid", train, int(valid)))
-        rows.append((int(user), "test", [*train, int(valid)], int(test)))
-    frame = pd.DataFrame(rows, columns=["user_id", "split", "history", "target"])
+            rows.append((int(user), "train", j, train[:j], train[j]))
+        rows.append((int(user), "valid", 0, train, int(valid)))
+    test = heldout_points(splits).assign(split="test")
+    frame = pd.concat(
+        [pd.DataFrame(rows, columns=["user_id", "split", "point", "history", "target"]), test],
+        ignore_index=True,
+    )
     order = frame["split"].map({s: k for k, s in enumerate(SPLITS)})
-    return frame.assign(_order=order).sort_values(["_order", "user_id"], kind="stable").drop(columns="_order")
+    frame = frame.assign(_order=order).sort_values(["_order", "user_id", "point"], kind="stable")
+    return frame.drop(columns="_order").reset_index(drop=True)
 
 
 def retrieved_lists(histories: Sequence[list[int]], score_fn: ScoreFn, n: int, chunk: int) -> np.ndarray:
@@ -130,7 +137,7 @@ def _lists_for_split(
 def build_candidates(
     splits: pd.DataFrame, score_fn: ScoreFn | None, config: CandidateConfig, num_items: int
 ) -> CandidateSet:
-    """Build the candidates frame (`user_id, split, history, target, candidates, target_position`).
+    """Build the candidates frame (`user_id, split, point, history, target, candidates, target_position`).
 
     score_fn: histories -> [rows, num_items] scores (e.g. `lambda h: score_users(model, h)`); unused in
     `sampled` mode. The `history` column is the last `history_cap` items; the retriever sees the full one.
@@ -147,6 +154,7 @@ def build_candidates(
             {
                 "user_id": req["user_id"].to_numpy(dtype=np.int64),
                 "split": split,
+                "point": req["point"].to_numpy(dtype=np.int64),
                 "history": [
                     list(h[-config.history_cap :]) if config.history_cap > 0 else [] for h in req["history"]
                 ],

@@ -22,8 +22,24 @@ def histories_before_valid(splits: pd.DataFrame) -> list[list[int]]:
 
 
 def histories_before_test(splits: pd.DataFrame) -> list[list[int]]:
-    """Per user, train part + validation item: the history that predicts the test item."""
+    """Per user, train part + validation item: the history that predicts test point 0 (`test_item`)."""
     return [h + [int(v)] for h, v in zip(histories_before_valid(splits), splits["valid_item"], strict=True)]
+
+
+def heldout_points(splits: pd.DataFrame) -> pd.DataFrame:
+    """Every test point: `user_id, point, history, target`, by user then point (0 = earliest).
+
+    Point k's history is everything the user did before it: train part, validation item and test
+    points 0..k-1 -- what a server would have seen, none of it trained on.
+    """
+    rows = [
+        (int(user), k, [*before, *map(int, points[:k])], int(points[k]))
+        for user, before, points in zip(
+            splits["user_id"], histories_before_test(splits), splits["test_items"], strict=True
+        )
+        for k in range(len(points))
+    ]
+    return pd.DataFrame(rows, columns=["user_id", "point", "history", "target"])
 
 
 def mask_history(scores: np.ndarray, histories: Sequence[Sequence[int]]) -> np.ndarray:
@@ -73,8 +89,9 @@ def evaluate_scorer(
 
 
 def evaluate_test(score_fn: ScoreFn, splits: pd.DataFrame, k: int = 10) -> dict[str, float]:
-    """Metrics on the test item with history = train + validation (leave-one-out protocol)."""
-    return evaluate_scorer(score_fn, histories_before_test(splits), splits["test_item"].to_numpy(), k)
+    """Metrics over every test point, each with everything before it as history (`heldout_points`)."""
+    points = heldout_points(splits)
+    return evaluate_scorer(score_fn, points["history"].tolist(), points["target"].to_numpy(), k)
 
 
 def retrieval_report(

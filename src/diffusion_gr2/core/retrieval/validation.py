@@ -7,8 +7,10 @@ foreign-ID count, whether the target sits where `target_position` says, and the 
 the pandera schema checks too.
 
 Leakage rules: a candidate other than the target is never in the history (the retriever masks it,
-sampled negatives avoid it). The target is not in the history either, unless the data was prepared
-without dedup (``allow_repeats``), where consuming an item again is a legitimate target.
+sampled negatives avoid it). The target is not in the history either, and the target of a validation
+or test row is nowhere in the user's train rows (history or target: what traces, SFT and RL are built
+from), unless the data was prepared without dedup (``allow_repeats``), where consuming an item again
+is a legitimate target.
 """
 
 from __future__ import annotations
@@ -63,22 +65,39 @@ def _position_ok(candidates: Any, target: int, position: int) -> bool:
     return 0 < position <= len(ids) and ids[position - 1] == int(target)
 
 
-def _row_key(user: int, split: str, target: int, history: list[int]) -> str:
-    """What makes a row unique: one valid/test row per user; train rows are distinct prefixes."""
+def _row_key(user: int, split: str, point: int, target: int, history: list[int]) -> str:
+    """What makes a row unique: one valid/test row per (user, point); train rows are distinct prefixes."""
     if split == "train":
         return f"train/{user}/{target}/{','.join(map(str, history))}"
-    return f"{split}/{user}"
+    return f"{split}/{user}/{point}"
+
+
+def _trained_on(frame: pd.DataFrame, histories: list[set[int]], targets: list[int]) -> list[bool]:
+    """Per row: a held-out (validation/test) target that is in one of its user's train rows."""
+    seen: dict[int, set[int]] = {}
+    for user, split, history, target in zip(
+        frame["user_id"], frame["split"], histories, targets, strict=True
+    ):
+        if split == "train":
+            seen.setdefault(int(user), set()).update(history, [target])
+    return [
+        s != "train" and t in seen.get(int(u), set())
+        for u, s, t in zip(frame["user_id"], frame["split"], targets, strict=True)
+    ]
 
 
 def history_facts(frame: pd.DataFrame) -> pd.DataFrame:
-    """Per row: ``n_history``, ``target_in_history``, ``n_candidates_in_history`` (the target aside)
-    and ``repeated_row`` (a second row for the same user and split, or the same train prefix)."""
+    """Per row: ``n_history``, ``target_in_history``, ``n_candidates_in_history`` (the target aside),
+    ``target_trained_on`` (`_trained_on`) and ``repeated_row`` (a second row for the same split, user
+    and point, or the same train prefix)."""
     histories = [set(_ids(h) or []) for h in frame["history"]]
     lists = [_ids(c) or [] for c in frame["candidates"]]
     targets = [int(t) for t in frame["target"]]
     keys = [
-        _row_key(int(u), str(s), t, _ids(h) or [])
-        for u, s, t, h in zip(frame["user_id"], frame["split"], targets, frame["history"], strict=True)
+        _row_key(int(u), str(s), int(p), t, _ids(h) or [])
+        for u, s, p, t, h in zip(
+            frame["user_id"], frame["split"], frame["point"], targets, frame["history"], strict=True
+        )
     ]
     return pd.DataFrame(
         {
@@ -88,6 +107,7 @@ def history_facts(frame: pd.DataFrame) -> pd.DataFrame:
                 sum(c in h and c != t for c in cands)
                 for cands, h, t in zip(lists, histories, targets, strict=True)
             ],
+            "target_trained_on": _trained_on(frame, histories, targets),
             "repeated_row": pd.Series(keys).duplicated(keep="first").to_numpy(),
         },
         index=frame.index,
@@ -102,10 +122,11 @@ def _leakage_checks(allow_repeats: bool) -> list[pa.Check]:
 
     checks = [
         fact(lambda f: f["n_candidates_in_history"] == 0, "no_candidate_in_history"),
-        fact(lambda f: ~f["repeated_row"], "one_row_per_user_and_split"),
+        fact(lambda f: ~f["repeated_row"], "one_row_per_request"),
     ]
     if not allow_repeats:
         checks.append(fact(lambda f: ~f["target_in_history"], "target_not_in_history"))
+        checks.append(fact(lambda f: ~f["target_trained_on"], "held_out_target_not_in_train_rows"))
     return checks
 
 
@@ -120,6 +141,7 @@ def candidates_schema(
         {
             "user_id": pa.Column("int64", pa.Check.ge(0)),
             "split": pa.Column(str, pa.Check.isin(SPLITS)),
+            "point": pa.Column("int64", pa.Check.ge(0)),
             "history": pa.Column(
                 object,
                 [
@@ -148,7 +170,7 @@ def validate_candidates(
 
 
 def candidate_check_frame(frame: pd.DataFrame, num_items: int) -> pd.DataFrame:
-    """Scalar view for GX, indexed "row:split/user" so a failure names the list it came from."""
+    """Scalar view for GX, indexed "row:split/user/point" so a failure names the list it came from."""
     lists = [_ids(c) or [] for c in frame["candidates"]]
     histories = [_ids(h) or [] for h in frame["history"]]
     targets = frame["target"].to_numpy(dtype=np.int64)
@@ -156,6 +178,7 @@ def candidate_check_frame(frame: pd.DataFrame, num_items: int) -> pd.DataFrame:
         {
             "user_id": frame["user_id"].to_numpy(),
             "split": frame["split"].to_numpy(),
+            "point": frame["point"].to_numpy(),
             "target": targets,
             "target_position": frame["target_position"].to_numpy(),
             "n_candidates": [len(c) for c in lists],
@@ -167,7 +190,8 @@ def candidate_check_frame(frame: pd.DataFrame, num_items: int) -> pd.DataFrame:
             **{k: v.to_numpy() for k, v in history_facts(frame).items()},
         }
     )
-    labels = [f"{i}:{s}/{u}" for i, (s, u) in enumerate(zip(check["split"], check["user_id"], strict=True))]
+    where = zip(check["split"], check["user_id"], check["point"], strict=True)
+    labels = [f"{i}:{s}/{u}/{p}" for i, (s, u, p) in enumerate(where)]
     return check.set_index(pd.Index(labels, name="row"))
 
 
@@ -176,7 +200,8 @@ def candidate_suite(
 ) -> list[Any]:
     """GX expectations on `candidate_check_frame`: list length n, unique IDs, IDs in [0, num_items),
     target present where required, target_position in 1..n (0..n when not required) and consistent,
-    a non-empty history with no candidate leaked into it, one row per user and split."""
+    a non-empty history with no candidate leaked into it, no held-out target in the user's train rows,
+    one row per request (split, user, point)."""
     import great_expectations.expectations as gxe
 
     zero = {"min_value": 0, "max_value": 0}
@@ -201,6 +226,7 @@ def candidate_suite(
         suite.append(gxe.ExpectColumnValuesToBeInSet(column="target_in_list", value_set=[True]))
     if not allow_repeats:
         suite.append(gxe.ExpectColumnValuesToBeInSet(column="target_in_history", value_set=[False]))
+        suite.append(gxe.ExpectColumnValuesToBeInSet(column="target_trained_on", value_set=[False]))
     return suite
 
 

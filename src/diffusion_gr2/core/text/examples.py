@@ -21,7 +21,7 @@ from diffusion_gr2.core.text.traces import SFTRow
 def encode_requests(
     candidates: pd.DataFrame, lookup: ItemLookup, tokenizer: PreTrainedTokenizerFast, config: PromptConfig
 ) -> pd.DataFrame:
-    """`user_id, split, target, target_position, candidates, candidate_sids, prompt_ids` per row."""
+    """`user_id, split, point, target, target_position, candidates, candidate_sids, prompt_ids` per row."""
     prompts, cand_sids = [], []
     for row in candidates.itertuples(index=False):
         messages = build_messages(list(row.history), list(row.candidates), lookup, config)
@@ -31,6 +31,7 @@ def encode_requests(
         {
             "user_id": candidates["user_id"].astype("int64").to_numpy(),
             "split": candidates["split"].astype(str).to_numpy(),
+            "point": candidates["point"].astype("int64").to_numpy(),
             "target": candidates["target"].astype("int64").to_numpy(),
             "target_position": candidates["target_position"].astype("int64").to_numpy(),
             "candidates": [[int(i) for i in c] for c in candidates["candidates"]],

@@ -49,14 +49,20 @@ def newest_slice(
     """Test requests with the newest targets, in raw ids: ``request_id, history, candidates, target, timestamp``."""
     raw_of = dict(zip(items["item_id"].astype(int), items["raw_item_id"].astype(str), strict=True))
     test = candidates[candidates["split"] == "test"].merge(
-        splits[["user_id", "test_timestamp"]], on="user_id"
+        splits[["user_id", "test_timestamps"]], on="user_id"
+    )
+    # each test point at its own time: a user's later points are newer requests
+    test = test.assign(
+        test_timestamp=[int(ts[p]) for ts, p in zip(test["test_timestamps"], test["point"], strict=True)]
     )
     test = test.sort_values(["test_timestamp", "user_id"], ascending=[False, True], kind="stable")
     n = min(max(1, round(len(test) * config.slice_share)), config.max_requests, len(test))
     rows = test.head(n)
     return pd.DataFrame(
         {
-            "request_id": [f"user-{u}" for u in rows["user_id"]],
+            "request_id": [
+                f"user-{u}-point-{p}" for u, p in zip(rows["user_id"], rows["point"], strict=True)
+            ],
             "history": [[raw_of[int(i)] for i in h] for h in rows["history"]],
             "candidates": [[raw_of[int(i)] for i in c] for c in rows["candidates"]],
             "target": [raw_of[int(t)] for t in rows["target"]],

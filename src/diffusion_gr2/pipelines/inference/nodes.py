@@ -2,7 +2,9 @@
 
 Diffusion systems decode validation once per candidate (tau, window) and take the fastest whose
 R@1 as served is within the budget of `ar_rl` on the same requests as their operating point; test is
-decoded at every tau of the sweep and at that operating point, never used to choose.
+decoded at every tau of the sweep and at that operating point, never used to choose. On test, the
+pre-rank, the AR systems and each served operating point answer every request; the rest of the tau
+sweep answers the first `sweep_max_requests` (decoding is the run's cost; docs/evaluation.md).
 """
 
 from __future__ import annotations
@@ -36,7 +38,24 @@ Setting = tuple[float | None, int | None]
 
 
 def _split_requests(requests: pd.DataFrame, params: dict[str, Any], split: str) -> pd.DataFrame:
-    return select_requests(requests, split, params["max_users"])
+    return select_requests(requests, split, params["max_requests"])
+
+
+def _test_passes(
+    system: str, params: dict[str, Any], point: dict[str, Any] | None
+) -> list[tuple[list[Setting], int | None]]:
+    """(settings, request cap) of each test pass of `system`, in report order.
+
+    The tau sweep is capped at `sweep_max_requests` (the first requests in `select_requests` order, so
+    every capped pass is paired with the full ones on the same requests); an AR system and the
+    served operating point answer every request.
+    """
+    if system in AR_SYSTEMS:
+        return [([(None, None)], None)]
+    served = [] if point is None or point["tau"] is None else [(point["tau"], point["window"])]
+    sweep = [s for s in _sweep(params, system) if s not in served]
+    passes = [(sweep, params.get("sweep_max_requests")), (served, None)]
+    return [(settings, cap) for settings, cap in passes if settings]
 
 
 def rerank_prerank(requests: pd.DataFrame, params: dict[str, Any]) -> pd.DataFrame:
@@ -88,14 +107,9 @@ def make_rerank_node(system: str) -> Callable[..., pd.DataFrame | dict[str, Any]
                 point = _operating_point(system, speeds, reference, params["operating_point"])
         if "test" in params["splits"]:
             test = _split_requests(requests, params, "test")
-            settings = _sweep(params, system)
-            if (
-                point is not None
-                and point["tau"] is not None
-                and (point["tau"], point["window"]) not in settings
-            ):
-                settings.append((point["tau"], point["window"]))  # the operating point as served
-            frames.append(rerank_system(model, test, tokenizer, system, settings, config, "test")[0])
+            for settings, cap in _test_passes(system, params, point):
+                rows = test if cap is None else test.head(int(cap))
+                frames.append(rerank_system(model, rows, tokenizer, system, settings, config, "test")[0])
         rankings = pd.concat(frames, ignore_index=True)
         return rankings if system in AR_SYSTEMS else {"rankings": rankings, "operating_point": point}
 

@@ -1,0 +1,83 @@
+"""inference nodes: the tau sweep decodes the first `sweep_max_requests` test requests, the rest all."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pandas as pd
+import pytest
+import torch
+from transformers import PreTrainedTokenizerFast
+
+from diffusion_gr2.core.rank.rerank import select_requests, stage_metrics
+from diffusion_gr2.pipelines.inference.nodes import make_rerank_node, rerank_prerank
+from tests.core.model.tiny import tiny_model_for
+from tests.core.rank.world import make_world
+
+N_USERS, CAP = 5, 2
+
+
+@pytest.fixture(scope="module")
+def world() -> Iterator[tuple[PreTrainedTokenizerFast, pd.DataFrame]]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny models: more threads only add contention
+    yield make_world(n_users=N_USERS, splits=("test", "valid"))
+    torch.set_num_threads(threads)
+
+
+def _params(sweep_max_requests: int | None) -> dict[str, Any]:
+    return {
+        "splits": ["valid", "test"],
+        "max_requests": None,
+        "sweep_max_requests": sweep_max_requests,
+        "taus": [0.9, 0.5],
+        "operating_point": {
+            "systems": ["rl"],
+            "reference": "ar_rl",
+            "budget": 1.0,  # untrained models: every setting qualifies, the fastest is served
+            "taus": [0.5],
+            "windows": [None],
+        },
+        "decoding": {"max_new_tokens": 8, "batch_size": 4, "constrained": False, "device": "cpu"},
+    }
+
+
+def _n_by_pass(rows: pd.DataFrame) -> dict[tuple[str, float | None], int]:
+    return {(r["split"], r["tau"]): r["n"] for r in stage_metrics(rows, n_boot=10)}
+
+
+def test_sweep_cap_applies_to_the_sweep_rows_only(world) -> None:
+    tokenizer, requests = world
+    params = _params(CAP)
+    ar = make_rerank_node("ar_rl")(tiny_model_for(tokenizer), requests, tokenizer, params)
+    diffusion = tiny_model_for(tokenizer, block_size=4)
+    served = make_rerank_node("rl")(diffusion, requests, tokenizer, params, ar)
+    swept = make_rerank_node("cft")(diffusion, requests, tokenizer, params, ar)
+    assert served["operating_point"]["tau"] == 0.5 and swept["operating_point"] is None
+    floor = rerank_prerank(requests, params)
+    assert _n_by_pass(floor) == _n_by_pass(ar) == {("valid", None): N_USERS, ("test", None): N_USERS}
+    # rl: tau 0.9 is sweep (capped), tau 0.5 its served operating point (every request)
+    assert _n_by_pass(served["rankings"]) == {
+        ("valid", 0.5): N_USERS,
+        ("test", 0.9): CAP,
+        ("test", 0.5): N_USERS,
+    }
+    # cft serves nothing: its whole test sweep is capped; validation is never capped
+    assert _n_by_pass(swept["rankings"]) == {
+        ("valid", 0.9): N_USERS,
+        ("valid", 0.5): N_USERS,
+        ("test", 0.9): CAP,
+        ("test", 0.5): CAP,
+    }
+    capped = swept["rankings"][swept["rankings"]["split"] == "test"]
+    first = select_requests(requests, "test", CAP)[["user_id", "point"]]
+    for _, rows in capped.groupby("tau"):  # the first CAP requests, the ones the full passes pair with
+        pd.testing.assert_frame_equal(rows[["user_id", "point"]].reset_index(drop=True), first)
+
+
+def test_without_a_cap_every_pass_answers_every_request(world) -> None:
+    tokenizer, requests = world
+    params = _params(None)
+    rows = make_rerank_node("cft")(tiny_model_for(tokenizer, block_size=4), requests, tokenizer, params)
+    assert set(_n_by_pass(rows["rankings"]).values()) == {N_USERS}
