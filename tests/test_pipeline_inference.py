@@ -57,6 +57,9 @@ def test_sweep_cap_applies_to_the_sweep_rows_only(world) -> None:
     assert served["operating_point"]["tau"] == 0.5 and swept["operating_point"] is None
     floor = rerank_prerank(requests, params)
     assert _n_by_pass(floor) == _n_by_pass(ar) == {("valid", None): N_USERS, ("test", None): N_USERS}
+    # ar_sft is not the reference the headline pairs with: capped like the sweep
+    sft = make_rerank_node("ar_sft")(tiny_model_for(tokenizer), requests, tokenizer, params)
+    assert _n_by_pass(sft) == {("valid", None): N_USERS, ("test", None): CAP}
     # rl: tau 0.9 is sweep (capped), tau 0.5 its served operating point (every request)
     assert _n_by_pass(served["rankings"]) == {
         ("valid", 0.5): N_USERS,

@@ -3,8 +3,9 @@
 Diffusion systems decode validation once per candidate (tau, window) and take the fastest whose
 R@1 as served is within the budget of `ar_rl` on the same requests as their operating point; test is
 decoded at every tau of the sweep and at that operating point, never used to choose. On test, the
-pre-rank, the AR systems and each served operating point answer every request; the rest of the tau
-sweep answers the first `sweep_max_requests` (decoding is the run's cost; docs/evaluation.md).
+pre-rank, the reference AR system (`ar_rl`) and each served operating point answer every request;
+`ar_sft` and the rest of the tau sweep answer the first `sweep_max_requests` (decoding is the run's
+cost; docs/evaluation.md).
 """
 
 from __future__ import annotations
@@ -47,11 +48,13 @@ def _test_passes(
     """(settings, request cap) of each test pass of `system`, in report order.
 
     The tau sweep is capped at `sweep_max_requests` (the first requests in `select_requests` order, so
-    every capped pass is paired with the full ones on the same requests); an AR system and the
-    served operating point answer every request.
+    every capped pass is paired with the full ones on the same requests), and so is an AR system
+    other than the operating point's reference (`ar_sft`); the reference (`ar_rl`) and each served
+    operating point answer every request: they are the pair the headline compares.
     """
     if system in AR_SYSTEMS:
-        return [([(None, None)], None)]
+        reference = params["operating_point"]["reference"]
+        return [([(None, None)], None if system == reference else params.get("sweep_max_requests"))]
     served = [] if point is None or point["tau"] is None else [(point["tau"], point["window"])]
     sweep = [s for s in _sweep(params, system) if s not in served]
     passes = [(sweep, params.get("sweep_max_requests")), (served, None)]
