@@ -218,3 +218,18 @@ def test_prompt_contexts_read_history_and_candidates_from_the_prompt() -> None:
     )
     contexts = M.prompt_contexts(requests, lambda ids: f"History: {H1} Candidates: {C1} {C2}")
     assert contexts[("test", 7, 0)] == M.PromptContext(frozenset({H1, C1, C2}), {501: C1, 502: C2})
+
+
+def test_bootstrap_resamples_whole_users_when_given_them() -> None:
+    """Requests of one user move together: copies of one answer do not narrow the interval."""
+    values = {"recall@1": np.array([1.0] * 4 + [0.0] * 4 + [1.0, 0.0])}
+    users = [7] * 4 + [8] * 4 + [9, 10]
+    per_request = M.bootstrap_ci(values, n_boot=2000, seed=0)["recall@1"]
+    per_user = M.bootstrap_ci(values, n_boot=2000, seed=0, groups=users)["recall@1"]
+    assert per_user[1] - per_user[0] > 1.5 * (per_request[1] - per_request[0])
+    # one request per user: the same resamples as no groups at all
+    singles = M.bootstrap_ci(values, n_boot=500, seed=3, groups=list(range(10)))
+    assert singles == M.bootstrap_ci(values, n_boot=500, seed=3)
+    a, b = np.array([1.0, 1.0, 0.0, 1.0]), np.array([0.0, 0.0, 0.0, 1.0])
+    paired = M.paired_bootstrap(a, b, n_boot=2000, seed=0, groups=[1, 1, 2, 3])
+    assert paired.mean_diff == 0.5 and paired.low <= 0.5 <= paired.high

@@ -151,28 +151,50 @@ def user_values(frame: pd.DataFrame | Iterable[Mapping[str, Any]]) -> dict[str, 
     }
 
 
-def _bootstrap_means(values: np.ndarray, n_boot: int, seed: int) -> np.ndarray:
-    """Means of ``n_boot`` user resamples: values [m, u] -> [m, n_boot] (same resamples for every row)."""
-    m, u = values.shape
+def _bootstrap_means(
+    values: np.ndarray, n_boot: int, seed: int, groups: Sequence[Hashable] | np.ndarray | None = None
+) -> np.ndarray:
+    """Means of ``n_boot`` resamples: values [m, r] -> [m, n_boot] (same resamples for every row).
+
+    ``groups`` ([r], e.g. user ids) makes it a cluster bootstrap: whole groups are drawn with
+    replacement and the mean is over every request they hold. A user asked at several time points
+    answers them alike; resampling the requests one by one would treat them as independent and
+    give intervals narrower than the data supports. None = every request is its own group.
+    """
+    m, r = values.shape
+    if groups is None:
+        sums, sizes = values, np.ones(r)
+    else:
+        _, cluster = np.unique(np.asarray(groups), return_inverse=True)
+        sizes = np.bincount(cluster).astype(np.float64)  # [g] requests per group
+        sums = np.stack([np.bincount(cluster, weights=row, minlength=len(sizes)) for row in values])
+    g = sums.shape[1]
     rng = np.random.default_rng(seed)
     out = np.empty((m, n_boot))
-    chunk = max(1, _CHUNK_ELEMENTS // max(m * u, 1))
+    chunk = max(1, _CHUNK_ELEMENTS // max(m * g, 1))
     for start in range(0, n_boot, chunk):
         c = min(chunk, n_boot - start)
-        idx = rng.integers(0, u, size=(c, u))  # [c, u] users drawn with replacement
-        out[:, start : start + c] = values[:, idx].mean(axis=2)  # [m, c, u] -> [m, c]
+        idx = rng.integers(0, g, size=(c, g))  # [c, g] groups drawn with replacement
+        out[:, start : start + c] = sums[:, idx].sum(axis=2) / sizes[idx].sum(axis=1)  # [m, c]
     return out
 
 
 def bootstrap_ci(
-    values: Mapping[str, np.ndarray], n_boot: int = 1000, seed: int = 0, level: float = 0.95
+    values: Mapping[str, np.ndarray],
+    n_boot: int = 1000,
+    seed: int = 0,
+    level: float = 0.95,
+    groups: Sequence[Hashable] | np.ndarray | None = None,
 ) -> dict[str, list[float]]:
-    """Percentile bootstrap interval over users for the mean of each per-user array ([u] each)."""
+    """Percentile bootstrap interval for the mean of each per-request array ([r] each).
+
+    ``groups``: resample whole groups (users) instead of requests (`_bootstrap_means`).
+    """
     names = list(values)
-    stacked = np.stack([np.asarray(values[k], dtype=np.float64) for k in names])  # [m, u]
+    stacked = np.stack([np.asarray(values[k], dtype=np.float64) for k in names])  # [m, r]
     if stacked.shape[1] == 0:
         return {k: [float("nan"), float("nan")] for k in names}
-    means = _bootstrap_means(stacked, n_boot, seed)  # [m, n_boot]
+    means = _bootstrap_means(stacked, n_boot, seed, groups)  # [m, n_boot]
     tail = (1.0 - level) / 2.0 * 100.0
     low, high = np.percentile(means, [tail, 100.0 - tail], axis=1)  # [m] each
     return {k: [float(lo), float(hi)] for k, lo, hi in zip(names, low, high, strict=True)}
@@ -181,11 +203,16 @@ def bootstrap_ci(
 def system_metrics(
     frame: pd.DataFrame | Iterable[Mapping[str, Any]], n_boot: int = 1000, seed: int = 0, level: float = 0.95
 ) -> dict[str, Any]:
-    """Metrics of one system: ``n``, every name in :data:`METRICS`, and ``ci`` (metric -> [low, high])."""
-    values = user_values(frame)
+    """Metrics of one system: ``n``, every name in :data:`METRICS`, and ``ci`` (metric -> [low, high]).
+
+    Intervals resample users (every request of a drawn user), not requests: see `_bootstrap_means`.
+    """
+    rows = _rows(frame)
+    values = user_values(rows)
     n = len(values["mrr"])
     means = {k: float(v.mean()) if n else float("nan") for k, v in values.items()}
-    return {"n": n, **means, "ci": bootstrap_ci(values, n_boot, seed, level)}
+    users = [r["user_id"] for r in rows] if rows and "user_id" in rows[0] else None
+    return {"n": n, **means, "ci": bootstrap_ci(values, n_boot, seed, level, users)}
 
 
 class PairedBootstrap(NamedTuple):
@@ -203,17 +230,19 @@ def paired_bootstrap(
     n_boot: int = 1000,
     seed: int = 0,
     level: float = 0.95,
+    groups: Sequence[Hashable] | np.ndarray | None = None,
 ) -> PairedBootstrap:
-    """Paired bootstrap of a per-user metric for systems a and b scored on the same users ([u] each).
+    """Paired bootstrap of a per-request metric for systems a and b scored on the same requests.
 
-    Resampling users (not each system separately) keeps the pairing, so the shared per-user
-    difficulty cancels and small differences between close systems can be resolved.
+    Resampling requests (not each system separately) keeps the pairing, so the shared per-request
+    difficulty cancels and small differences between close systems can be resolved. ``groups``
+    ([r], user ids) resamples whole users instead (`_bootstrap_means`).
     """
     a, b = np.asarray(a_values, dtype=np.float64), np.asarray(b_values, dtype=np.float64)
     if a.shape != b.shape or a.ndim != 1 or a.size == 0:
         raise ValueError(f"need two non-empty per-user arrays of equal length, got {a.shape} and {b.shape}")
     diff = a - b
-    boot = _bootstrap_means(diff[None, :], n_boot, seed)[0]  # [n_boot]
+    boot = _bootstrap_means(diff[None, :], n_boot, seed, groups)[0]  # [n_boot]
     tail = (1.0 - level) / 2.0 * 100.0
     low, high = np.percentile(boot, [tail, 100.0 - tail])
     p = min(1.0, 2.0 * min(float(np.mean(boot <= 0)), float(np.mean(boot >= 0))))
@@ -374,5 +403,6 @@ def reasoning_metrics(
             "n": len(group),
         }
         means = {k: float(v.mean()) for k, v in values.items()}
-        rows.append(head | means | {"ci": bootstrap_ci(values, n_boot, seed)})
+        users = group["user_id"].to_numpy() if "user_id" in group else None
+        rows.append(head | means | {"ci": bootstrap_ci(values, n_boot, seed, groups=users)})
     return rows

@@ -381,7 +381,7 @@ def prerank_rows(requests: pd.DataFrame, split: str = "test") -> pd.DataFrame:
 class EvaluationConfig:
     """Bootstrap settings and the comparisons of the evaluation stage."""
 
-    n_boot: int = 1000  # bootstrap resamples of requests (CI and paired tests)
+    n_boot: int = 1000  # bootstrap resamples of users (CI and paired tests; all of a user's requests)
     seed: int = 0  # resampling seed
     baselines: tuple[str, ...] = ("ar_rl", "prerank")  # every system is compared with each of these
     compare_metrics: tuple[str, ...] = ("recall@1", "ndcg@3")  # per-request metrics compared
@@ -438,23 +438,25 @@ def _by_request(rows: pd.DataFrame) -> pd.DataFrame:
     return rows.set_index(pd.MultiIndex.from_tuples([request_key(r) for r in rows.to_dict("records")]))
 
 
-def _aligned_values(a: pd.DataFrame, b: pd.DataFrame, metric: str) -> tuple[Any, Any]:
-    """Per-request values of `metric` for the requests both frames rank, in one request order ([r] each).
+def _aligned_values(a: pd.DataFrame, b: pd.DataFrame, metric: str) -> tuple[Any, Any, list[int]]:
+    """Per-request values of `metric` for the requests both frames rank, in one request order ([r]
+    each), and each request's user (the bootstrap resamples users).
 
     A tau of the sweep decoded on fewer requests is paired on those only.
     """
     a_rows, b_rows = _by_request(a), _by_request(b)
     keys = sorted(set(a_rows.index) & set(b_rows.index))
-    return user_values(a_rows.loc[keys])[metric], user_values(b_rows.loc[keys])[metric]
+    users = [user for _, user, _ in keys]
+    return user_values(a_rows.loc[keys])[metric], user_values(b_rows.loc[keys])[metric], users
 
 
 def _paired_rows(a: pd.DataFrame, b: pd.DataFrame, config: EvaluationConfig) -> list[dict[str, Any]]:
     """One paired bootstrap (a - b) per compared metric, on the requests both frames rank."""
     out = []
     for metric in config.compare_metrics:
-        a_vals, b_vals = _aligned_values(a, b, metric)
+        a_vals, b_vals, users = _aligned_values(a, b, metric)
         if len(a_vals):
-            test = paired_bootstrap(a_vals, b_vals, config.n_boot, config.seed)
+            test = paired_bootstrap(a_vals, b_vals, config.n_boot, config.seed, groups=users)
             out.append({"metric": metric, "n": len(a_vals), **test._asdict()})
     return out
 
