@@ -1,7 +1,8 @@
 """Where decoding time goes: model forward vs the rest (grammar, commit rule, bookkeeping).
 
     .venv/bin/python benchmarks/decode_profile.py [--systems ar_rl rl] [--taus 0.9 0.6] [--windows 0 4]
-        [--batch-sizes 1 16] [--n 16] [--threads 2] [--no-fused] [--free] [--json OUT.json]
+        [--batch-sizes 1 16] [--backends lean eager] [--n 16] [--threads 2] [--no-fused] [--free]
+        [--json OUT.json]
 
 Decodes the first `--n` test requests of the trained models in `data/06_models/<system>` (as the
 `benchmark` pipeline does: the answer grammar on unless `--free`) and splits the wall time into
@@ -10,13 +11,15 @@ Decodes the first `--n` test requests of the trained models in `data/06_models/<
 * `other`: everything else (commit rule, canvas bookkeeping, Python between forwards).
 Then it times one forward against the cache of a real prompt for canvases of 1, 2, 4, 8 and 16
 positions (and a fused forward: a clean block plus the canvas), at each batch size, as a ratio to a
-one-token step. Window 0 on the command line means the whole block.
+one-token step. Window 0 on the command line means the whole block. `--backends` compares the
+model forwards side by side (`lean`, the default, and `eager`, the transformers modules).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import time
 from collections import defaultdict
@@ -74,13 +77,13 @@ def _profile_decode(
 
 
 def _canvas_costs(
-    model: PreTrainedModel, prompt: list[int], batch: int, k: int, repeats: int
+    model: PreTrainedModel, prompt: list[int], batch: int, k: int, repeats: int, backend: str
 ) -> dict[str, float]:
     """ms of one forward against a cached prompt: canvases of 1..16 positions, and a fused forward."""
     ids, valid = left_pad_prompts([prompt] * batch, 0, model.device)
     width = 2 * k + 32  # room for a clean block and the widest canvas
     layout = prompt_response_layout(valid, torch.ones(batch, width, dtype=torch.bool, device=model.device), k)
-    runner = _CachedRunner(model, layout)
+    runner = _CachedRunner(model, layout, decoder._lean_forward(model, backend, layout.length))
     runner.forward(ids, None, None)
     mask_id = int(getattr(model.config, "mask_token_id", None) or 1)
     out = {}
@@ -118,6 +121,7 @@ def main() -> None:
     parser.add_argument("--taus", nargs="+", type=float, default=[0.9])
     parser.add_argument("--windows", nargs="+", type=int, default=[0])
     parser.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 16])
+    parser.add_argument("--backends", nargs="+", default=["lean", "eager"], choices=decoder.BACKENDS)
     parser.add_argument("--n", type=int, default=16, help="requests decoded per setting")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=20, help="forwards per canvas-cost figure")
@@ -145,7 +149,7 @@ def main() -> None:
         f"{len(prompts)} requests, {torch.get_num_threads()} threads, grammar {'off' if args.free else 'on'}"
     )
     print(
-        f"{'system':6s} {'tau':>4s} {'win':>3s} {'batch':>5s} {'tok/s':>7s} {'tok/fwd':>7s} {'fwd ms':>6s} "
+        f"{'system':6s} {'backend':7s} {'tau':>4s} {'win':>3s} {'batch':>5s} {'tok/s':>7s} {'tok/fwd':>7s} {'fwd ms':>6s} "
         f"{'forward':>8s} {'grammar':>8s} {'other':>8s}"
     )
     for system in args.systems:
@@ -154,28 +158,31 @@ def main() -> None:
         is_ar = system.startswith("ar_")
         for tau in [None] if is_ar else args.taus:
             for window in [0] if is_ar else args.windows:
-                for batch in args.batch_sizes:
+                for batch, backend in itertools.product(args.batch_sizes, args.backends):
                     base = RerankConfig(max_new_tokens=args.max_new_tokens, batch_size=batch)
                     cfg = decode_config_for(model, tokenizer, tau, base)
-                    cfg = dataclasses.replace(cfg, window=window or None, fused=not args.no_fused)
+                    cfg = dataclasses.replace(
+                        cfg, window=window or None, fused=not args.no_fused, backend=backend
+                    )
                     grammars = None if args.free else request_grammars(tokenizer, requests)
                     row = _profile_decode(model, prompts, cfg, grammars)
                     wall = row["wall_s"]
                     print(
-                        f"{system:6s} {tau or '-':>4} {window or '-':>3} {batch:5d} {row['tokens_per_s']:7.0f} "
+                        f"{system:6s} {backend:7s} {tau or '-':>4} {window or '-':>3} {batch:5d} {row['tokens_per_s']:7.0f} "
                         f"{row['tokens_per_forward']:7.2f} {row['ms_per_forward_call']:6.2f} "
                         f"{row['forward_s'] / wall:8.0%} {row['grammar_s'] / wall:8.0%} {row['other_s'] / wall:8.0%}"
                     )
                     report["settings"].append(
-                        {"system": system, "tau": tau, "window": window, "batch": batch} | row
+                        {"system": system, "backend": backend, "tau": tau, "window": window, "batch": batch}
+                        | row
                     )
         if not is_ar:
-            for batch in args.batch_sizes:
-                costs = _canvas_costs(model, prompts[0], batch, block_size, args.repeats)
+            for batch, backend in itertools.product(args.batch_sizes, args.backends):
+                costs = _canvas_costs(model, prompts[0], batch, block_size, args.repeats, backend)
                 one = costs["canvas_1"]
                 text = "  ".join(f"{k} {v:.2f}ms ({v / one:.2f}x)" for k, v in costs.items())
-                print(f"forward cost, {system}, batch {batch}: {text}")
-                report["canvas_ms"][f"{system}@{batch}"] = costs
+                print(f"forward cost, {system}, {backend}, batch {batch}: {text}")
+                report["canvas_ms"][f"{system}@{batch}/{backend}"] = costs
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))
 

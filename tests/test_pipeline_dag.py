@@ -172,13 +172,20 @@ def test_decode_profile_and_variants_scripts_run_on_the_trained_models(dag_run: 
         "decode_profile.py",
         *inputs,
         *("--systems", "ar_rl", "rl", "--n", "2", "--batch-sizes", "1", "2", "--threads", "1"),
-        *("--repeats", "1", "--windows", "0", "2", "--json", str(tmp_path / "profile.json")),
+        *("--repeats", "1", "--windows", "0", "2", "--backends", "lean", "eager"),
+        *("--json", str(tmp_path / "profile.json")),
     )
     profile = json.loads((tmp_path / "profile.json").read_text())
-    assert len(profile["settings"]) == 2 + 2 * 2  # ar_rl at 2 batch sizes, rl at 2 windows x 2 batch sizes
+    # ar_rl at 2 batch sizes, rl at 2 windows x 2 batch sizes, each with both forwards
+    assert len(profile["settings"]) == (2 + 2 * 2) * 2
     for row in profile["settings"]:
         assert row["forward_s"] > 0 and row["forward_s"] + row["grammar_s"] <= row["wall_s"]
-    assert set(profile["canvas_ms"]) == {"rl@1", "rl@2"} and "forward cost" in out
+    by_backend = {
+        b: [r["tokens"] for r in profile["settings"] if r["backend"] == b] for b in ("lean", "eager")
+    }
+    assert by_backend["lean"] == by_backend["eager"]  # the same tokens from either forward
+    assert set(profile["canvas_ms"]) == {f"rl@{b}/{f}" for b in (1, 2) for f in ("lean", "eager")}
+    assert "forward cost" in out
     run_script(
         dag_run,
         "decode_variants.py",

@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 import torch
-from transformers import PreTrainedModel
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel
 
 from diffusion_gr2.core.decode import decoder
 from diffusion_gr2.core.decode.decoder import (
@@ -19,7 +19,15 @@ from diffusion_gr2.core.decode.decoder import (
 )
 from diffusion_gr2.core.decode.kv_cache import BufferLayer
 from diffusion_gr2.core.model.masks import prompt_response_layout
-from tests.core.model.tiny import ATOL, MASK, random_prompts, same_weights, tiny_model, uncompiled_flex_on_cpu
+from tests.core.model.tiny import (
+    ATOL,
+    DEVICE,
+    MASK,
+    random_prompts,
+    same_weights,
+    tiny_model,
+    uncompiled_flex_on_cpu,
+)
 
 torch.set_num_threads(1)
 LENGTHS = [7, 12, 3, 9, 5]
@@ -295,15 +303,43 @@ def test_block_size_above_one_needs_the_mask_token(model: PreTrainedModel, promp
 
 
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
-def test_eager_and_flex_backends_decode_the_same(
-    model: PreTrainedModel, prompts: list[list[int]], monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("block_size", [1, 4])
+def test_lean_and_every_attention_of_the_modules_decode_the_same(
+    model: PreTrainedModel, prompts: list[list[int]], monkeypatch: pytest.MonkeyPatch, block_size: int
 ) -> None:
+    """`backend: lean` (the default) against `backend: eager` under sdpa, eager and flex attention."""
     uncompiled_flex_on_cpu(monkeypatch)
-    cfg = DecodeConfig(block_size=4, threshold=0.5, max_new_tokens=8, mask_token_id=MASK)
-    ref = decode(model, prompts[:2], cfg)
-    for attn in ("eager", "flex_attention"):
-        out = decode(same_weights(model, attn), prompts[:2], cfg)
-        assert [(o.tokens, o.commit_steps) for o in out] == [(o.tokens, o.commit_steps) for o in ref]
+    cfg = DecodeConfig(
+        block_size=block_size, threshold=0.5, max_new_tokens=8, mask_token_id=MASK, batch_size=3
+    )
+    ref = decode(model, prompts, cfg)
+    assert cfg.backend == "auto" and decoder._lean_forward(model, cfg.backend, 64) is not None  # lean runs
+    for attn in ("sdpa", "eager", "flex_attention"):
+        out = decode(same_weights(model, attn), prompts, dataclasses.replace(cfg, backend="eager"))
+        assert [(o.tokens, o.commit_steps, o.nfe) for o in out] == [
+            (o.tokens, o.commit_steps, o.nfe) for o in ref
+        ]
+        for a, b in zip(out, ref, strict=True):
+            assert a.token_logprobs == pytest.approx(b.token_logprobs, abs=ATOL)
+
+
+def test_unknown_backend_is_refused(model: PreTrainedModel, prompts: list[list[int]]) -> None:
+    with pytest.raises(ValueError, match="backend must be one of"):
+        decode(model, prompts, DecodeConfig(backend="compiled"))
+
+
+def test_auto_backend_decodes_models_lean_does_not_cover_with_the_modules(prompts: list[list[int]]) -> None:
+    """A Llama (the pretrained SmolLM2 path): `auto` runs the transformers modules, `lean` refuses."""
+    config = LlamaConfig(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, pad_token_id=0,
+    )  # fmt: skip
+    llama = LlamaForCausalLM(config).eval().to(DEVICE)
+    cfg = DecodeConfig(max_new_tokens=6)
+    auto, eager = (decode(llama, prompts, dataclasses.replace(cfg, backend=b)) for b in ("auto", "eager"))
+    assert [o.tokens for o in auto] == [o.tokens for o in eager]
+    with pytest.raises(ValueError, match=r"model_type 'llama'.*backend 'eager'"):
+        decode(llama, prompts, dataclasses.replace(cfg, backend="lean"))
 
 
 def test_buffer_cache_crops_and_refuses_overflow() -> None:

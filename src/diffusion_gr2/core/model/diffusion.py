@@ -20,10 +20,12 @@ from torch import Tensor
 from transformers import Cache, PreTrainedModel, PreTrainedTokenizerBase
 
 from diffusion_gr2.core.model.factory import load_model, save_model
+from diffusion_gr2.core.model.lean import LeanForward
 from diffusion_gr2.core.model.masks import (
     Layout,
     attention_mask,
     cached_step_mask,
+    dense_mask,
     flex_mask,
     prompt_response_layout,
     two_copy_layout,
@@ -61,16 +63,25 @@ def layout_hidden(
 
 
 def cached_block_hidden(
-    model: PreTrainedModel, block: Tensor, layout: Layout, cache: Cache, full_mask: bool = False
+    model: PreTrainedModel,
+    block: Tensor,
+    layout: Layout,
+    cache: Cache,
+    full_mask: bool = False,
+    lean: LeanForward | None = None,
 ) -> Tensor:
     """Hidden states `[b, q, h]` of `block` `[b, q]` run after the clean prefix held in `cache`.
 
     `layout` covers cache + block (n + q columns). The block's keys/values are appended to `cache`
     (crop them off again for a noisy canvas). The decoder's single canvas sees every key, so its mask
     is key validity alone; `full_mask` builds the predicate's mask instead, for queries that hold
-    several canvases as noisy copies (replay).
+    several canvases as noisy copies (replay). `lean` runs the same forward without the modules
+    (`lean.py`, the decoder's `backend: lean`).
     """
     q, impl = block.shape[1], model.config._attn_implementation
+    if lean is not None:  # boolean masks, as SDPA takes them
+        mask = dense_mask(layout, q) if full_mask else layout.valid[:, None, None, :]
+        return lean.hidden(block, layout.position[:, -q:], mask, cache)
     if impl == "flex_attention":
         mask = flex_mask(layout, q)
     elif full_mask:

@@ -96,6 +96,7 @@ class RerankConfig:
     commit_rule: str = DecodeConfig.commit_rule  # diffusion systems: which positions a step commits
     constrained: bool = True  # decode under each request's answer grammar (every answer valid)
     device: str = "auto"  # "auto" = cuda when available, else cpu
+    backend: str = DecodeConfig.backend  # the model forward: "auto", "lean" or "eager" (decoder.BACKENDS)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -157,6 +158,7 @@ def decode_config_for(
         do_sample=do_sample,
         temperature=temperature,
         seed=seed,
+        backend=config.backend,
     )
 
 
