@@ -158,8 +158,9 @@ T, F = True, False
     ],
 )
 def test_commit_rules_on_hand_checked_confidences(rule: str, expected: list[list[bool]]) -> None:
-    assert _commit_mask(_CAND, _CONF.log(), threshold=0.9, fill=False, rule=rule).tolist() == expected
-    assert torch.equal(_commit_mask(_CAND, _CONF.log(), threshold=0.9, fill=True, rule=rule), _CAND)
+    rows = list(zip(_CAND.tolist(), _CONF.log().tolist(), strict=True))
+    assert [_commit_mask(cand, logp, 0.9, fill=False, rule=rule) for cand, logp in rows] == expected
+    assert [_commit_mask(cand, logp, 0.9, fill=True, rule=rule) for cand, logp in rows] == _CAND.tolist()
 
 
 def test_prefix_rule_writes_each_block_left_to_right(

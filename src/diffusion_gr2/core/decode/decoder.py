@@ -274,17 +274,17 @@ def _choose(logits: Tensor, cfg: DecodeConfig, gen: torch.Generator) -> tuple[Te
 def _constrain_commits(
     constraints: Sequence[TokenConstraint | None],
     logits: Tensor,
-    tokens: Tensor,
-    logps: Tensor,
-    commit: Tensor,
+    tokens: list[list[int]],
+    logps: list[list[float]],
+    commit: list[list[bool]],
     budgets: Sequence[int],
     must_commit: bool,
     cfg: DecodeConfig,
     gen: torch.Generator,
 ) -> list[int]:
-    """Make the commits `commit` [b, m] obey each row's constraint; in place, corrections per row.
+    """Make the commits `commit` [b][m] obey each row's constraint; in place, corrections per row.
 
-    `logits` [b, m, v] and `tokens`/`logps` [b, m] are the step's choices; under the `prefix` rule a
+    `logits` [b, m, v] and `tokens`/`logps` [b][m] are the step's choices; under the `prefix` rule a
     row's commits are one run, walked left to right through its constraint (`budgets[i]` = tokens the
     row may still write at position 0). A disallowed token is replaced by the best allowed one where a
     commit is due (the run's first position, or every position when `must_commit`) and cuts the run
@@ -294,98 +294,108 @@ def _constrain_commits(
     is one batched pass over every constrained commit of the step, however long the runs are.
     """
     forced = [0] * len(constraints)
-    token_list, commit_list = tokens.tolist(), commit.tolist()
     where: list[tuple[int, int]] = []  # constrained commits, and the masks they were checked against
     masks: list[Tensor] = []
     for i, constraint in enumerate(constraints):
         if constraint is None:
             continue
-        for n, j in enumerate(c for c, due in enumerate(commit_list[i]) if due):
+        row = commit[i]
+        for n, j in enumerate([c for c, due in enumerate(row) if due]):
             allowed = constraint.allowed(budgets[i] - j)
-            token = token_list[i][j]
+            token = tokens[i][j]
             if allowed is None:  # any token: nothing to correct, the log-prob stays the model's
                 constraint.advance(token)
                 continue
             if not bool(allowed[token]):
                 forced[i] += 1
                 if n > 0 and not must_commit:  # not due here: end the run before it
-                    commit[i, j:] = False
+                    row[j:] = [False] * (len(row) - j)
                     break
                 x = logits[i, j].masked_fill(~allowed.to(logits.device), -math.inf)
                 token = int(_choose(x, cfg, gen)[0])  # the best allowed token (or a sample among them)
-                tokens[i, j] = token
+                tokens[i][j] = token
             where.append((i, j))
             masks.append(allowed)
             constraint.advance(token)
     if where:
         r, c = (torch.tensor(idx, device=logits.device) for idx in zip(*where, strict=True))
+        chosen = torch.tensor([tokens[i][j] for i, j in where], device=logits.device)
         x = logits[r, c].float() / (cfg.temperature if cfg.do_sample else 1.0)
         x = x.masked_fill(~torch.stack(masks).to(logits.device), -math.inf)  # the constrained distribution
-        logps[r, c] = torch.log_softmax(x, -1).gather(1, tokens[r, c][:, None]).squeeze(1)  # renormalised
+        renormalised = torch.log_softmax(x, -1).gather(1, chosen[:, None]).squeeze(1).tolist()
+        for (i, j), logp in zip(where, renormalised, strict=True):
+            logps[i][j] = logp
     return forced
 
 
-def _commit_mask(cand: Tensor, logp: Tensor, threshold: float, fill: bool, rule: str) -> Tensor:
-    """[b, m] positions to commit among the masked candidates `cand` under commit rule `rule`.
+def _commit_mask(cand: list[bool], logp: list[float], threshold: float, fill: bool, rule: str) -> list[bool]:
+    """Positions of one row to commit among its masked candidates `cand` under commit rule `rule`.
 
-    Every rule commits at least one position per row with a candidate (guarantees progress).
+    Every rule commits at least one position of a row with a candidate (guarantees progress). A
+    position is confident when its probability is above `threshold`.
     """
-    if fill:  # step cap reached: fill every remaining position
-        return cand
-    conf = logp.exp().masked_fill(~cand, -1.0)
-    # argmax returns the first maximum: over `cand` itself that is the leftmost masked position
-    extra = (conf if rule == "confident" else cand.to(conf.dtype)).argmax(1, keepdim=True)
-    chosen = (conf > threshold) | torch.zeros_like(cand).scatter_(1, extra, True)
+    if fill or not any(cand):  # step cap reached: fill every remaining position
+        return list(cand)
+    # the extra position: the most confident candidate (first of equals), or the leftmost one
+    cands = [j for j, c in enumerate(cand) if c]
+    extra = max(cands, key=lambda j: logp[j]) if rule == "confident" else cands[0]
+    log_tau = math.log(threshold) if threshold > 0 else -math.inf
+    chosen = [c and (logp[j] > log_tau or j == extra) for j, c in enumerate(cand)]
     if rule == "prefix":  # only the unbroken run of chosen positions from the leftmost masked one
-        chosen = (chosen | ~cand).long().cumprod(1).bool()
-    return cand & chosen
+        run = True
+        for j, c in enumerate(cand):
+            run = run and (chosen[j] or not c)  # committed positions do not break the run
+            chosen[j] = chosen[j] and run
+    return chosen
 
 
-def _relevant(block: Tensor, masked: Tensor, limit: int, eos: Tensor) -> Tensor:
-    """[b, k] positions that can still reach the output: up to the first committed eos and the limit."""
-    is_eos = torch.isin(block, eos) & ~masked
-    after_eos = (is_eos.long().cumsum(1) - is_eos.long()) > 0
-    return ~after_eos & (torch.arange(block.shape[1], device=block.device) < limit)
+def _needs_step(tokens: list[int], masked: list[bool], limit: int, eos: set[int]) -> bool:
+    """Whether a row's block has a masked position that can still reach the output.
+
+    Positions count up to `limit` and up to the first committed eos (anything after it is cut).
+    """
+    for j in range(limit):
+        if masked[j]:
+            return True
+        if tokens[j] in eos:
+            return False
+    return False
 
 
 @dataclass
 class _Block:
-    """Canvas of the current block for every active row, with its commit record; all `[b, k]`."""
+    """Canvas of the current block for every active row, with its commit record; all `[b][k]` lists.
 
-    tokens: Tensor
-    steps: Tensor  # forward of the block that committed the position (0 = before the block), -1 = masked
-    logps: Tensor
-    masked: Tensor
-    nfe: Tensor  # [b] forwards each row took part in
-    forced: Tensor  # [b] commits a constraint corrected
+    Host lists, not tensors: a step touches a few positions of a few rows, and on the CPU each tensor
+    op costs more than the Python it replaces (about 40 small ops a step, ~15% of a batch-1 step).
+    """
+
+    tokens: list[list[int]]
+    steps: list[list[int]]  # forward of the block that committed the position (0 = before it), -1 = masked
+    logps: list[list[float]]
+    masked: list[list[bool]]
+    nfe: list[int]  # forwards each row took part in
+    forced: list[int]  # commits a constraint corrected
 
     @classmethod
-    def empty(cls, b: int, k: int, mask_id: int, device: torch.device) -> _Block:
-        zeros = torch.zeros(b, dtype=torch.long, device=device)
+    def empty(cls, b: int, k: int, mask_id: int) -> _Block:
         return cls(
-            torch.full((b, k), mask_id, dtype=torch.long, device=device),
-            torch.full((b, k), -1, dtype=torch.long, device=device),
-            torch.zeros(b, k, device=device),
-            torch.ones(b, k, dtype=torch.bool, device=device),
-            zeros,
-            zeros.clone(),
+            [[mask_id] * k for _ in range(b)],
+            [[-1] * k for _ in range(b)],
+            [[0.0] * k for _ in range(b)],
+            [[True] * k for _ in range(b)],
+            [0] * b,
+            [0] * b,
         )
 
     def apply(
-        self,
-        commit: Tensor,
-        tokens: Tensor,
-        logps: Tensor,
-        step: int,
-        lo: int,
-        rows: Tensor | slice = slice(None),
+        self, row: int, commit: list[bool], tokens: list[int], logps: list[float], step: int, lo: int
     ) -> None:
-        """Commit positions `lo .. lo + m - 1` of rows `rows` where `commit` [rows, m] is set."""
-        cols = slice(lo, lo + commit.shape[1])
-        self.tokens[rows, cols] = torch.where(commit, tokens, self.tokens[rows, cols])
-        self.logps[rows, cols] = torch.where(commit, logps, self.logps[rows, cols])
-        self.steps[rows, cols] = torch.where(commit, step, self.steps[rows, cols])
-        self.masked[rows, cols] = self.masked[rows, cols] & ~commit
+        """Commit positions `lo + j` of batch row `row` where `commit[j]` is set."""
+        for j, due in enumerate(commit):
+            if due:
+                self.tokens[row][lo + j], self.logps[row][lo + j] = tokens[j], logps[j]
+                self.steps[row][lo + j], self.masked[row][lo + j] = step, False
 
 
 def leftmost_masked(masked: Tensor) -> Tensor:
@@ -393,12 +403,15 @@ def leftmost_masked(masked: Tensor) -> Tensor:
     return torch.where(masked.any(-1), masked.long().argmax(-1), masked.shape[-1])
 
 
-def fed_width(leftmost: Tensor, k: int, window: int | None) -> Tensor:
-    """[...] canvas positions fed: up to the leftmost masked one plus `window` (all k if None).
+def fed_width(leftmost: Tensor | int, k: int, window: int | None) -> Tensor | int:
+    """Canvas positions fed: up to the leftmost masked one plus `window` (all k if None).
 
-    The one window rule: the decoder applies it, replay rebuilds the canvases from it.
+    The one window rule: the decoder applies it per row (ints), replay rebuilds the canvases from it
+    (tensors `[...]`).
     """
-    return torch.full_like(leftmost, k) if window is None else (leftmost + window).clamp(max=k)
+    if isinstance(leftmost, Tensor):
+        return torch.full_like(leftmost, k) if window is None else (leftmost + window).clamp(max=k)
+    return k if window is None else min(leftmost + window, k)
 
 
 def _run_block(
@@ -407,7 +420,7 @@ def _run_block(
     blk: _Block,
     cfg: DecodeConfig,
     limit: int,
-    eos: Tensor,
+    eos: set[int],
     gen: torch.Generator,
     constraints: Sequence[TokenConstraint | None] | None,
     budgets: Sequence[int],
@@ -417,61 +430,57 @@ def _run_block(
     `pending` (clean tokens not in the cache yet) rides along in the first forward, whose column 0 is
     the block's first token. `budgets[i]` is what row i may still write at the block's position 0.
     """
-    k = blk.tokens.shape[1]
+    k = len(blk.tokens[0])
     max_steps = cfg.max_steps_per_block or k
+    dev = runner.layout.block.device
     for step in range(1, max_steps + 1):
         # the first forward also writes the clean part: every row takes part in it
-        need = (blk.masked & _relevant(blk.tokens, blk.masked, limit, eos)).any(1) | (pending is not None)
-        fill = step == max_steps  # the cap: every remaining position is filled, so the whole block is fed
-        leftmost = leftmost_masked(blk.masked)
-        fed = fed_width(leftmost, k, None if fill else cfg.window)
-        # one host read: which rows take part, their widest canvas, and the first position still
-        # masked in any of them (everything left of it is committed in every row fed)
-        host = torch.cat(
-            [
-                need.long(),
-                torch.stack([torch.where(need, fed, 0).max(), torch.where(need, leftmost, k).min()]),
-            ]
-        ).tolist()
-        *need_rows, q, first = host
-        if not any(need_rows):
+        need = [
+            pending is not None or _needs_step(t, m, limit, eos)
+            for t, m in zip(blk.tokens, blk.masked, strict=True)
+        ]
+        if not any(need):
             return
-        rows = runner.slots.take_part(need_rows)  # rows done with this block are not computed
-        sub: Tensor | slice = (
-            slice(None)
-            if len(rows) == len(need_rows) and runner.slots.in_order
-            else torch.tensor(rows, device=need.device)
-        )
-        lo = 0 if pending is not None else max(1, min(first, q - 1))
-        fed = fed[sub]
-        canvas_valid = torch.arange(q, device=fed.device) < fed[:, None]
-        logits = runner.forward(pending, blk.tokens[sub, :q], canvas_valid, lo)  # [rows, m, v]
+        fill = step == max_steps  # the cap: every remaining position is filled, so the whole block is fed
+        rows = runner.slots.take_part(need)  # rows done with this block are not computed
+        leftmost = [next((j for j, m in enumerate(blk.masked[r]) if m), k) for r in rows]
+        fed = [int(fed_width(left, k, None if fill else cfg.window)) for left in leftmost]
+        # q: the widest canvas fed; lo: the first position still masked in any row fed (everything
+        # left of it is committed in every row, so its logits are not computed)
+        q = max(fed)
+        lo = 0 if pending is not None else max(1, min(min(leftmost), q - 1))
+        canvas = torch.tensor([blk.tokens[r][:q] for r in rows], device=dev)
+        canvas_valid = torch.tensor([[j < f for j in range(q)] for f in fed], device=dev)
+        logits = runner.forward(pending, canvas, canvas_valid, lo)  # [rows, m, v]
         pending = None
-        tokens, logps = _choose(logits, cfg, gen)
+        chosen, chosen_logps = _choose(logits, cfg, gen)
+        tokens, logps = chosen.tolist(), chosen_logps.tolist()
         m = logits.shape[1]
-        masked = blk.masked[sub, lo : lo + m]
-        cand = masked & (torch.arange(lo, lo + m, device=fed.device) < fed[:, None])
-        conf = logps
-        if lo == 0:  # column 0, the block's first token, is predicted by the clean part, not the canvas;
-            # only this forward predicts it: every rule takes it, as if certain
-            cand[:, 0] = masked[:, 0]
-            conf = torch.cat([torch.zeros_like(logps[:, :1]), logps[:, 1:]], 1)
-        commit = _commit_mask(cand, conf, cfg.threshold, fill, cfg.commit_rule)
+        commits = []
+        for i, r in enumerate(rows):
+            cand = [blk.masked[r][j] and j < fed[i] for j in range(lo, lo + m)]
+            conf = logps[i]
+            if lo == 0:  # column 0, the block's first token, is predicted by the clean part, not the
+                # canvas; only this forward predicts it: every rule takes it, as if certain
+                cand[0], conf = blk.masked[r][0], [0.0, *conf[1:]]
+            commits.append(_commit_mask(cand, conf, cfg.threshold, fill, cfg.commit_rule))
         if constraints is not None:
             fixes = _constrain_commits(
                 [constraints[r] for r in rows],
                 logits,
                 tokens,
                 logps,
-                commit,
+                commits,
                 [budgets[r] - lo for r in rows],
                 fill,
                 cfg,
                 gen,
             )
-            blk.forced[sub] += torch.tensor(fixes, device=blk.forced.device)
-        blk.apply(commit, tokens, logps, step, lo, sub)
-        blk.nfe[sub] += 1
+            for r, fix in zip(rows, fixes, strict=True):
+                blk.forced[r] += fix
+        for i, r in enumerate(rows):
+            blk.apply(r, commits[i], tokens[i], logps[i], step, lo)
+            blk.nfe[r] += 1
 
 
 def _first_token(
@@ -489,13 +498,15 @@ def _first_token(
     bookkeeping of `_run_block`.
     """
     first = runner.forward(pending, None, None)  # [b, 1, v]
-    tokens, logps = _choose(first, cfg, gen)
-    commit = torch.ones_like(tokens, dtype=torch.bool)
+    chosen, chosen_logps = _choose(first, cfg, gen)
+    tokens, logps = chosen.tolist(), chosen_logps.tolist()
+    commit = [[True] for _ in tokens]
     if constraints is not None:
         fixes = _constrain_commits(constraints, first, tokens, logps, commit, budgets, True, cfg, gen)
-        blk.forced += torch.tensor(fixes, device=blk.forced.device)
-    blk.apply(commit, tokens, logps, 0, 0)
-    blk.nfe += 1
+        blk.forced = [f + fix for f, fix in zip(blk.forced, fixes, strict=True)]
+    for r in range(len(tokens)):
+        blk.apply(r, commit[r], tokens[r], logps[r], 0, 0)
+        blk.nfe[r] += 1
 
 
 def left_pad_prompts(
@@ -547,13 +558,11 @@ def _record_block(
     records: list[_Record], active: list[int], blk: _Block, limit: int, eos: set[int], last_block: bool
 ) -> list[int]:
     """Store each active row's block; returns the batch positions of the rows that continue."""
-    tokens, steps, logps, nfe = blk.tokens.tolist(), blk.steps.tolist(), blk.logps.tolist(), blk.nfe.tolist()
-    forced = blk.forced.tolist()
     keep = []
     for i, r in enumerate(active):
-        records[r].nfe += nfe[i]
-        records[r].forced += forced[i]
-        if not records[r].add_block(tokens[i], steps[i], logps[i], limit, eos) and not last_block:
+        records[r].nfe += blk.nfe[i]
+        records[r].forced += blk.forced[i]
+        if not records[r].add_block(blk.tokens[i], blk.steps[i], blk.logps[i], limit, eos) and not last_block:
             keep.append(i)
     return keep
 
@@ -584,7 +593,7 @@ def _decode_batch(
         runner = _RecomputeRunner(model, layout)
     else:
         runner = _CachedRunner(model, layout, _lean_forward(model, cfg.backend, layout.length))
-    eos_t, eos = torch.tensor(cfg.eos_token_ids, dtype=torch.long, device=dev), set(cfg.eos_token_ids)
+    eos = set(cfg.eos_token_ids)
     mask_id = cfg.mask_token_id if k > 1 else cfg.pad_token_id
     records = [_Record() for _ in prompts]
     active = list(range(len(prompts)))  # record index of each row still in the batch
@@ -593,19 +602,18 @@ def _decode_batch(
         limit = min(k, cfg.max_new_tokens - b_idx * k)
         rows = None if constraints is None else [constraints[r] for r in active]
         budgets = [cfg.max_new_tokens - len(records[r].tokens) for r in active]
-        blk = _Block.empty(len(active), k, mask_id, dev)
+        blk = _Block.empty(len(active), k, mask_id)
         if k == 1 or not cfg.fused:  # the clean part's forward alone gives the block's first token
             _first_token(runner, pending, blk, cfg, gen, rows, budgets)
             pending = None
         if k > 1:
-            _run_block(runner, pending, blk, cfg, limit, eos_t, gen, rows, budgets)
+            _run_block(runner, pending, blk, cfg, limit, eos, gen, rows, budgets)
         keep = _record_block(records, active, blk, limit, eos, last_block=b_idx == n_blocks - 1)
         if not keep:
             break
-        pending = blk.tokens
+        pending = torch.tensor([blk.tokens[i] for i in keep], device=dev)
         if len(keep) < len(active) or not runner.slots.in_order:  # finished rows leave the batch
             runner.keep(keep)
-            pending = pending[torch.tensor(keep, device=dev)]
             active = [active[i] for i in keep]
     return [r.output() for r in records]
 
