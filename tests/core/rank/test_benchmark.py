@@ -151,7 +151,9 @@ def test_rows_have_exactly_the_keys_and_each_system_its_operating_point(world) -
         for s, t, w in (("ar_rl", None, None), (GENERATE, None, None), ("cft", 0.6, 2))
         for b in (1, 4)
     ]  # the reference first, then generate on its weights, then the diffusion system at its point
-    assert all(r["operating_point"] and r["backend"] == "eager" and not r["constrained"] for r in result.rows)
+    assert all(r["operating_point"] and not r["constrained"] for r in result.rows)
+    # the forward each row really ran: our decoder's default (auto) is lean on these Qwen3 models
+    assert [r["backend"] for r in result.rows] == ["lean", "lean", "eager", "eager", "lean", "lean"]
     assert all(r["device"].startswith("cpu") for r in result.rows)
     cft = _row(result.rows, "cft")
     cfg = decode_config_for(models["cft"], tokenizer, 0.6, RerankConfig(max_new_tokens=MAX_NEW))

@@ -19,6 +19,13 @@ rule (below); after `max_steps_per_block` forwards the rest is filled.
 
 Block size 1 is plain greedy/sampled AR decoding with a KV cache, one forward per token.
 
+The model's forward (`DecodeConfig.backend`): `lean` (`core/model/lean.py`, the same arithmetic as
+the transformers modules in a few tensor ops; the default model's step is bound by operator dispatch,
+so this roughly halves it), `eager` (the modules themselves, the reference) or `auto` (default: lean
+where it covers the model). AR and diffusion share it, so their ratio stays honest. Between forwards
+the block's state lives in host lists (`_Block`): a step reads its chosen tokens once and decides
+commits in Python, cheaper on a small model than the ~40 tiny tensor ops it replaced.
+
 Commit rules (`DecodeConfig.commit_rule`), each step, among the block's masked positions:
 * `confident` (Fast-dLLM v2): every position above tau, plus the most confident one.
 * `leftmost`: every position above tau, plus the leftmost one.
@@ -68,7 +75,15 @@ from diffusion_gr2.core.model.masks import (
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["BACKENDS", "COMMIT_RULES", "DecodeConfig", "DecodeOutput", "decode", "left_pad_prompts"]
+__all__ = [
+    "BACKENDS",
+    "COMMIT_RULES",
+    "DecodeConfig",
+    "DecodeOutput",
+    "decode",
+    "left_pad_prompts",
+    "resolved_backend",
+]
 
 COMMIT_RULES = ("prefix", "confident", "leftmost")
 BACKENDS = ("auto", "lean", "eager")
@@ -567,9 +582,16 @@ def _record_block(
     return keep
 
 
+def resolved_backend(model: PreTrainedModel, backend: str) -> str:
+    """The forward `backend` runs `model` with: "lean" or "eager" ("auto": lean where it covers it)."""
+    if backend == "auto":
+        return "eager" if lean_unsupported(model) is not None else "lean"
+    return backend
+
+
 def _lean_forward(model: PreTrainedModel, backend: str, positions: int) -> LeanForward | None:
     """The lean forward of `model` when `backend` asks for it (auto: where it covers the model)."""
-    if backend == "eager" or (backend == "auto" and lean_unsupported(model) is not None):
+    if resolved_backend(model, backend) == "eager":
         return None
     return LeanForward(model, positions)  # backend "lean" on a model it does not cover: refused
 

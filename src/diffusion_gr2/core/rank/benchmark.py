@@ -41,7 +41,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from diffusion_gr2.core.decode.decoder import decode
+from diffusion_gr2.core.decode.decoder import decode, resolved_backend
 from diffusion_gr2.core.decode.grammar import TokenConstraint
 from diffusion_gr2.core.rank.generate_baseline import generate_tokens
 from diffusion_gr2.core.rank.operating_point import OperatingPointError, resolve_operating_point
@@ -58,7 +58,7 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 __all__ = [
-    "BACKEND",
+    "backend_of",
     "BENCHMARK_KEYS",
     "GENERATE",
     "BenchmarkConfig",
@@ -78,7 +78,6 @@ __all__ = [
     "time_calls",
 ]
 
-BACKEND = "eager"  # the one decode backend so far; issue 13's compiled backend becomes a setting of its own
 GENERATE = "generate"  # row name of `transformers` `generate` on the reference system's weights
 BENCHMARK_KEYS = (
     "system",
@@ -272,6 +271,14 @@ def make_runner(
     return run_decode, model.device
 
 
+def backend_of(
+    setting: Setting, models: Mapping[str, PreTrainedModel], decoding: RerankConfig, reference: str
+) -> str:
+    """The model forward `setting` runs (`decoding.backend` resolved); `generate` runs the modules."""
+    model = models[reference if setting.system == GENERATE else setting.system]
+    return "eager" if setting.system == GENERATE else resolved_backend(model, decoding.backend)
+
+
 def time_calls(
     run: Runner,
     batches: Sequence[list[list[int]]],
@@ -298,7 +305,7 @@ def time_calls(
     return calls
 
 
-def summarize(setting: Setting, calls: Sequence[Call], device: str) -> dict[str, Any]:
+def summarize(setting: Setting, calls: Sequence[Call], device: str, backend: str) -> dict[str, Any]:
     """One `benchmark.json` row: throughput over all calls, latency percentiles over requests.
 
     `speedup_vs_ar` stays None here; `add_speedups` fills it once every row of the run is known.
@@ -314,7 +321,7 @@ def summarize(setting: Setting, calls: Sequence[Call], device: str) -> dict[str,
         "operating_point": setting.operating_point,
         "batch_size": int(setting.batch_size),
         "constrained": setting.constrained,
-        "backend": BACKEND,
+        "backend": backend,
         "output_tokens_per_s": sum(tokens) / total_s if total_s > 0 else float("nan"),
         "nfe_per_sample": float(np.mean(nfe)),
         "tokens_per_forward": sum(tokens) / sum(nfe),
@@ -401,7 +408,13 @@ def run_benchmark(
     runners = {s: make_runner(s, models, tokenizer, decoding, config.reference) for s in settings}
     calls = _time_rounds(settings, runners, [list(p) for p in prompts], grammars, config, clock)
     rows = add_speedups(
-        [summarize(s, calls[s], describe_device(runners[s][1])) for s in settings], config.reference
+        [
+            summarize(
+                s, calls[s], describe_device(runners[s][1]), backend_of(s, models, decoding, config.reference)
+            )
+            for s in settings
+        ],
+        config.reference,
     )
     served = True in config.constrained  # the length buckets are measured as served
     samples = [
