@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/decode_profile.py [--systems ar_rl rl] [--taus 0.9 0.6] [--windows 0 4]
         [--batch-sizes 1 16] [--backends lean eager] [--n 16] [--threads 2] [--no-fused] [--free]
-        [--json OUT.json]
+        [--no-jump] [--json OUT.json]
 
 Decodes the first `--n` test requests of the trained models in `data/06_models/<system>` (as the
 `benchmark` pipeline does: the answer grammar on unless `--free`) and splits the wall time into
@@ -128,6 +128,7 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=192)
     parser.add_argument("--no-fused", action="store_true", help="the block's own forward writes it")
     parser.add_argument("--free", action="store_true", help="no answer grammar")
+    parser.add_argument("--no-jump", action="store_true", help="no jump-forward over forced tokens")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -135,9 +136,9 @@ def main() -> None:
     decoder._constrain_commits = _timed("grammar", decoder._constrain_commits)  # type: ignore[assignment]
     inner = decoder._CachedRunner.forward
 
-    def counted(self: _CachedRunner, *a: Any) -> Any:
+    def counted(self: _CachedRunner, *a: Any, **kw: Any) -> Any:
         TIMERS["calls"] += 1
-        return inner(self, *a)
+        return inner(self, *a, **kw)
 
     decoder._CachedRunner.forward = counted  # type: ignore[method-assign]
 
@@ -162,7 +163,11 @@ def main() -> None:
                     base = RerankConfig(max_new_tokens=args.max_new_tokens, batch_size=batch)
                     cfg = decode_config_for(model, tokenizer, tau, base)
                     cfg = dataclasses.replace(
-                        cfg, window=window or None, fused=not args.no_fused, backend=backend
+                        cfg,
+                        window=window or None,
+                        fused=not args.no_fused,
+                        backend=backend,
+                        jump_forward=not args.no_jump,
                     )
                     grammars = None if args.free else request_grammars(tokenizer, requests)
                     row = _profile_decode(model, prompts, cfg, grammars)

@@ -1,7 +1,7 @@
 """Decoding variants side by side on validation: fused vs separate block writes, windows, taus.
 
     .venv/bin/python benchmarks/decode_variants.py [--systems rl] [--taus 0.9 0.6 0.4] [--windows 0 4 8]
-        [--split valid] [--max-users N] [--threads 2] [--json OUT.json]
+        [--modes fused separate] [--jump on off] [--split valid] [--max-users N] [--threads 2] [--json OUT.json]
 
 Every variant decodes the same requests of `--split` (validation by default: these figures choose
 settings, test only reports them) under the answer grammar, as served, with the trained models in
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 from pathlib import Path
 
@@ -43,6 +44,7 @@ def main() -> None:
     parser.add_argument("--taus", nargs="+", type=float, default=[0.9, 0.6, 0.4])
     parser.add_argument("--windows", nargs="+", type=int, default=[0])
     parser.add_argument("--modes", nargs="+", default=["fused", "separate"], choices=["fused", "separate"])
+    parser.add_argument("--jump", nargs="+", default=["on"], choices=["on", "off"], help="jump-forward")
     parser.add_argument("--split", default="valid")
     parser.add_argument("--max-users", type=int, default=None)
     parser.add_argument("--batch-size", type=int, default=16)
@@ -58,15 +60,15 @@ def main() -> None:
     rows = []
     print(f"{len(requests)} {args.split} requests, {torch.get_num_threads()} threads")
     print(
-        f"{'system':6s} {'tau':>4s} {'win':>3s} {'mode':8s} {'R@1':>6s} {'own valid':>9s} {'tok/fwd':>7s} {'tok/s':>6s}"
+        f"{'system':6s} {'tau':>4s} {'win':>3s} {'mode':8s} {'jump':>4s} {'R@1':>6s} {'own valid':>9s} {'tok/fwd':>7s} {'tok/s':>6s}"
     )
     for system in args.systems:
         model = load_model(args.models / system).eval()
         for tau in args.taus:
             for window in args.windows:
-                for mode in args.modes:
+                for mode, jump in itertools.product(args.modes, args.jump):
                     cfg = decode_config_for(model, tokenizer, tau, config, window=window or None)
-                    cfg = dataclasses.replace(cfg, fused=mode == "fused")
+                    cfg = dataclasses.replace(cfg, fused=mode == "fused", jump_forward=jump == "on")
                     frame = rerank(model, requests, tokenizer, cfg, system, tau, grammars, args.split)
                     metrics = system_metrics(frame, n_boot=200)
                     tokens = int(frame["output_tokens"].sum())
@@ -75,6 +77,7 @@ def main() -> None:
                         "tau": tau,
                         "window": window or None,
                         "mode": mode,
+                        "jump_forward": jump == "on",
                         "n": len(frame),
                         "recall@1": metrics["recall@1"],
                         "recall@1_ci": metrics["ci"]["recall@1"],
@@ -84,7 +87,7 @@ def main() -> None:
                     }
                     rows.append(row)
                     print(
-                        f"{system:6s} {tau:4g} {window or '-':>3} {mode:8s} {row['recall@1']:6.3f} "
+                        f"{system:6s} {tau:4g} {window or '-':>3} {mode:8s} {jump:>4s} {row['recall@1']:6.3f} "
                         f"{row['unforced_rate']:9.1%} {row['tokens_per_forward']:7.2f} {row['tokens_per_s']:6.0f}"
                     )
     if args.json:

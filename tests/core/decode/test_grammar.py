@@ -12,7 +12,7 @@ from torch import Tensor
 from transformers import PreTrainedTokenizerFast
 
 from diffusion_gr2.core.decode.decoder import DecodeConfig, decode
-from diffusion_gr2.core.decode.grammar import AnswerGrammar, GrammarTokens
+from diffusion_gr2.core.decode.grammar import AnswerGrammar, GrammarTokens, accepts
 from diffusion_gr2.core.rank.rerank import request_grammars
 from diffusion_gr2.core.text.parser import parse_answer
 from diffusion_gr2.core.text.prompt import render_answer
@@ -151,6 +151,9 @@ class _Ban:
     def advance(self, token: int) -> None:
         self.n += 1
 
+    def only(self, budget: int) -> int | None:
+        return None  # never a single choice: nothing to jump over
+
     def copy(self) -> _Ban:
         clone = _Ban(self.banned, self.at, self.vocab)
         clone.n = self.n
@@ -179,3 +182,104 @@ def test_constraints_need_the_prefix_rule() -> None:
     cfg = DecodeConfig(block_size=4, mask_token_id=MASK, commit_rule="confident")
     with pytest.raises(ValueError, match="prefix"):
         decode(model, prompts, cfg, [_Ban(3, 0, model.config.vocab_size)])
+
+
+def test_only_names_the_single_allowed_token(world) -> None:
+    """`only` (the jump-forward fast path) never claims a choice the mask does not force, and finds
+    every forced SID and end token; budgets from generous to tight."""
+    tokenizer, requests = world
+    grammar = request_grammars(tokenizer, requests)[0]
+    sids = _candidates(requests)
+    ids = _ids(tokenizer, render_answer(f"Pick {sids[3]} first.", sids[3:] + sids[:3]))
+    for slack in (1000, 0):
+        state, forced = grammar.copy(), 0
+        for n, token in enumerate(ids):
+            budget = len(ids) - n + slack
+            allowed, only = state.allowed(budget), state.only(budget)
+            singleton = allowed is not None and int(allowed.sum()) == 1
+            if only is not None:
+                assert singleton and bool(allowed[only]) and only == token
+                forced += 1
+            elif state.phase in ("sid", "eos"):
+                assert not singleton
+            state.advance(token)
+        # the last SID (all its tokens) and the end token at least; more where prefixes pin SIDs
+        assert forced >= grammar.sid_length + 1
+
+
+@pytest.mark.parametrize("batch_size", [1, 3])
+def test_ar_jump_forward_is_exact(world, batch_size: int) -> None:
+    """AR jump-forward writes forced tokens without a forward, and changes nothing else: the same
+    tokens, corrections and log-probs as one forward per token (the skipped predictions are checked
+    in the next forward)."""
+    tokenizer, requests = world
+    model = tiny_model_for(tokenizer, num_layers=2)  # a chunk's causal mask shows in layer 2's keys
+    eos = tokenizer.convert_tokens_to_ids(IM_END)
+    cfg = DecodeConfig(max_new_tokens=96, eos_token_ids=(eos,), batch_size=batch_size)
+    prompts = [list(p) for p in requests["prompt_ids"]]
+    grammars = request_grammars(tokenizer, requests)
+    plain = decode(model, prompts, dataclasses.replace(cfg, jump_forward=False), grammars)
+    jumped = decode(model, prompts, cfg, grammars)
+    assert [o.tokens for o in jumped] == [o.tokens for o in plain]
+    assert [o.forced for o in jumped] == [o.forced for o in plain]
+    for a, b in zip(jumped, plain, strict=True):
+        assert a.token_logprobs == pytest.approx(b.token_logprobs, abs=1e-5)
+    assert sum(o.nfe for o in jumped) < sum(o.nfe for o in plain)
+    if batch_size == 1:  # alone, a row skips every forced token but its end token
+        for o in jumped:
+            assert o.nfe < len(o.tokens)
+
+
+@pytest.mark.parametrize("k", [4, 8])
+def test_diffusion_jump_forward_commits_forced_positions_as_certain(world, k: int) -> None:
+    tokenizer, requests = world
+    model = tiny_model_for(tokenizer, k)
+    cfg = DecodeConfig(
+        block_size=k,
+        threshold=0.9,
+        max_new_tokens=96,
+        mask_token_id=tokenizer.mask_token_id,
+        eos_token_ids=(tokenizer.convert_tokens_to_ids(IM_END),),
+        batch_size=3,
+    )
+    prompts = [list(p) for p in requests["prompt_ids"]]
+    grammars = request_grammars(tokenizer, requests)
+    plain = decode(model, prompts, dataclasses.replace(cfg, jump_forward=False), grammars)
+    jumped = decode(model, prompts, cfg, grammars)
+    for row, out in enumerate(jumped):
+        assert parse_answer(decode_response(tokenizer, out.tokens), _candidates(requests, row)).valid
+        state = grammars[row].copy()  # every forced position holds its token, at log-prob 0
+        for n, (token, logp) in enumerate(zip(out.tokens, out.token_logprobs, strict=True)):
+            if state.only(cfg.max_new_tokens - n) is not None:
+                assert logp == 0.0
+            state.advance(token)
+    tokens = sum(len(o.tokens) for o in jumped)
+    assert tokens / sum(o.nfe for o in jumped) > sum(len(o.tokens) for o in plain) / sum(o.nfe for o in plain)
+    again = decode(model, prompts, dataclasses.replace(cfg, recompute=True), grammars)
+    assert [o.tokens for o in again] == [o.tokens for o in jumped]  # the KV cache stays exact
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_accepts_is_what_constrained_decoding_leaves_untouched(k: int) -> None:
+    """A free output the constraint accepts is exactly what constrained decoding (no jump-forward)
+    writes with no correction, and one it rejects is corrected: the model's own valid rate can be
+    read off a free pass when the served pass jumps."""
+    model, prompts = tiny_model(), random_prompts([7, 12])
+    cfg = DecodeConfig(
+        block_size=k,
+        threshold=0.5,
+        max_new_tokens=20,
+        mask_token_id=MASK if k > 1 else None,
+        jump_forward=False,
+    )
+    vocab = model.config.vocab_size
+    free = decode(model, prompts, cfg)
+    for at in (0, 5):
+        for hit in (True, False):
+            bans = [_Ban(o.tokens[at] if hit else (o.tokens[at] + 1) % vocab, at, vocab) for o in free]
+            constrained = decode(model, prompts, cfg, bans)
+            for out, ban, again in zip(free, bans, constrained, strict=True):
+                assert accepts(ban, out.tokens, cfg.max_new_tokens) is not hit
+                assert (again.forced == 0) is not hit
+                if not hit:
+                    assert again.tokens == out.tokens

@@ -93,13 +93,16 @@ def random_prompts(lengths: list[int], seed: int = 1) -> list[list[int]]:
     return [torch.randint(3, VOCAB, (n,), generator=gen).tolist() for n in lengths]
 
 
-def tiny_model_for(tokenizer: PreTrainedTokenizerFast, block_size: int | None = None) -> PreTrainedModel:
-    """A random one-layer Qwen3 over `tokenizer`; a block-diffusion config when `block_size` is given."""
+def tiny_model_for(
+    tokenizer: PreTrainedTokenizerFast, block_size: int | None = None, num_layers: int = 1
+) -> PreTrainedModel:
+    """A random Qwen3 over `tokenizer` (one layer by default); a block-diffusion config when
+    `block_size` is given. Two layers make keys/values depend on attention (a wrong mask shows)."""
     from diffusion_gr2.core.model.factory import ModelSpec, build_model
 
     spec = ModelSpec(
         hidden_size=32,
-        num_layers=1,
+        num_layers=num_layers,
         num_heads=2,
         num_kv_heads=1,
         head_dim=16,

@@ -64,6 +64,35 @@ def test_grammar_corrected_answers_count_as_unforced_failures_and_unforced_fallb
     assert M.system_metrics(unconstrained, n_boot=10)["unforced_rate"] == 1.0
 
 
+def test_own_answers_from_a_free_pass_decide_the_unforced_metrics() -> None:
+    # A jumped diffusion pass: `forced` counts the tokens the grammar wrote, `unforced` comes from the
+    # free pass, and the own answer (not the served one) is what `recall@1_unforced` serves.
+    rows = [
+        {
+            "target": 11,
+            "ranking": [10, 11, 12],
+            "prerank": [10, 11, 12],
+            "valid": True,
+            "forced": 3,
+            "unforced": True,
+            "unforced_ranking": [11, 10, 12],
+        },
+        {
+            "target": 10,
+            "ranking": [10, 11, 12],
+            "prerank": [12, 11, 10],
+            "valid": True,
+            "forced": 5,
+            "unforced": False,
+            "unforced_ranking": [],
+        },
+    ]
+    out = M.system_metrics(rows, n_boot=10)
+    assert out["unforced_rate"] == pytest.approx(1 / 2)  # not 0: `forced` no longer decides it
+    assert out["recall@1"] == pytest.approx(1 / 2)  # row 2, as served
+    assert out["recall@1_unforced"] == pytest.approx(1 / 2)  # row 1 by its own answer, row 2 pre-rank misses
+
+
 def test_missing_ranking_falls_back_to_prerank() -> None:
     rows = [{"target": 12, "ranking": None, "prerank": PRE, "valid": False}]
     out = M.system_metrics(rows, n_boot=10)

@@ -287,3 +287,55 @@ def test_select_requests_orders_by_point_then_user() -> None:
     reqs["point"] = [1, 1, 1, 0, 0, 0]
     rows = select_requests(reqs, max_requests=4)
     assert list(zip(rows["point"], rows["user_id"], strict=True)) == [(0, 0), (0, 1), (0, 2), (1, 0)]
+
+
+def test_own_answers_are_read_off_a_free_pass_when_the_served_pass_jumps(world, monkeypatch) -> None:
+    """Diffusion with jump-forward writes tokens the model never chose, so `unforced` comes from a
+    second, unconstrained pass; AR (exact jump-forward) and no-jump passes read it off `forced`."""
+    import dataclasses
+
+    from diffusion_gr2.core.rank import rerank as module
+
+    tokenizer, requests = world
+    grammars = module.request_grammars(tokenizer, requests)
+    sids = [str(s) for s in requests["candidate_sids"][0]]
+    good = DecodeOutput(_answer_ids(tokenizer, render_answer("ok", sids[::-1])), [], 1, [])
+    bad = DecodeOutput(_answer_ids(tokenizer, render_answer("ok", sids[:-1])), [], 1, [])
+    own = module.own_answers([good, bad], requests.head(2), tokenizer, grammars[:1] * 2, 160)
+    assert own[0] == (True, sids[::-1]) and own[1] == (False, [])
+    rows = ranking_rows(requests.head(2), [good, bad], tokenizer, "cft", 0.9, own=own)
+    items = [int(i) for i in requests["candidates"][0]]
+    assert rows["unforced"].tolist() == [True, False]
+    assert rows["unforced_ranking"][0] == items[::-1] and len(rows["unforced_ranking"][1]) == 0
+
+    calls: list[bool] = []
+    decode_requests = module.decode_requests
+
+    def counted(model, prompts, config, desc="decode", grammars=None):  # type: ignore[no-untyped-def]
+        calls.append(grammars is not None)
+        return decode_requests(model, prompts, config, desc, grammars)
+
+    monkeypatch.setattr(module, "decode_requests", counted)
+    model = tiny_model_for(tokenizer, block_size=4)
+    cfg = decode_config_for(model, tokenizer, 0.6, RerankConfig(max_new_tokens=96))
+    jumped = rerank(model, requests, tokenizer, cfg, "cft", 0.6, grammars)
+    assert calls == [True, False]  # the served pass, then the free one
+    calls.clear()
+    plain = rerank(
+        model, requests, tokenizer, dataclasses.replace(cfg, jump_forward=False), "cft", 0.6, grammars
+    )
+    assert calls == [True]
+    # without jump-forward an accepted free answer is exactly a served answer with no correction
+    assert jumped["unforced"].tolist() == (plain["valid"] & (plain["forced"] == 0)).tolist()
+    calls.clear()
+    ar = tiny_model_for(tokenizer)
+    rerank(
+        ar,
+        requests,
+        tokenizer,
+        decode_config_for(ar, tokenizer, None, RerankConfig(max_new_tokens=96)),
+        "ar_rl",
+        None,
+        grammars,
+    )
+    assert calls == [True]

@@ -37,12 +37,27 @@ Commit rules (`DecodeConfig.commit_rule`), each step, among the block's masked p
 
 Constraints (`decode(..., constraints=...)`, one `TokenConstraint` per prompt, e.g. the answer
 grammar of `grammar.py`): a token is only committed when its row's constraint allows it. The model's
-own probability still decides how many tokens a step commits; the constraint only ever takes commits
-away: a disallowed choice (the arg-max, or the sample) is replaced by the best allowed token (or a
-sample among them) where a commit is due (the leftmost masked position, the step cap, AR), and ends
-the step's run anywhere else. Each such correction is counted in `DecodeOutput.forced`, so an output
-with `forced == 0` is token for token what unconstrained greedy decoding gives. Needs the `prefix`
-rule: only there is every committed token's left context committed, which is what the constraint reads.
+own probability decides how many tokens a step commits: a disallowed choice (the arg-max, or the
+sample) is replaced by the best allowed token (or a sample among them) where a commit is due (the
+leftmost masked position, the step cap, AR), and ends the step's run anywhere else. Each such
+correction is counted in `DecodeOutput.forced`. Needs the `prefix` rule: only there is every
+committed token's left context committed, which is what the constraint reads.
+
+Jump-forward (`DecodeConfig.jump_forward`, the default; SGLang's name for it): where the constraint
+leaves exactly one token (`TokenConstraint.only`: the rest of a SID once its first tokens pin it,
+the last candidate, the end token), that token is written without the model's say, at log-prob 0
+(certain under the constrained distribution the answer is served from).
+* AR: when every row of the batch has a forced next token, it is written without a forward and fed
+  with the next forward (several clean tokens, causal among themselves). That forward also computes
+  the logits that would have predicted the jumped tokens, and counts a correction wherever the model
+  would have written another one: tokens, log-probs and `forced` are exactly those of one forward per
+  token (`test_ar_jump_forward_is_exact`); only the forwards are fewer.
+* Diffusion: a forced position joins the step's run as certain, so a run goes on through the rest of
+  a SID it has begun. A correction is counted where the model's own choice there was due or above
+  tau and differs, as the walk without jump-forward would count it. The run differs from the one
+  without it, so here `forced == 0` means "every committed token was the model's own arg-max at its
+  commit", not "token for token the unconstrained decode"; without jump-forward (and always for AR)
+  it means the latter.
 
 Batching: prompts are left-padded (with matching position ids and masks) and all rows of a batch
 decode the same block together. A row that finished its block waits for the others and is not
@@ -116,6 +131,10 @@ class DecodeConfig:
     # faster a step on the default model; Qwen3 only), "eager" (the transformers modules, the
     # reference) or "auto" (lean where it covers the model, e.g. not the pretrained SmolLM2).
     backend: str = "auto"
+    # Jump-forward (constrained decoding only): a position the constraint leaves one token is written
+    # without the model's say. Diffusion: such positions join the step's run as certain. AR: when
+    # every row's next token is forced, it is written without a forward and fed with the next one.
+    jump_forward: bool = True
 
 
 @dataclass(frozen=True)
@@ -201,7 +220,12 @@ class _CachedRunner:
         )
 
     def forward(
-        self, clean: Tensor | None, canvas: Tensor | None, canvas_valid: Tensor | None, lo: int = 0
+        self,
+        clean: Tensor | None,
+        canvas: Tensor | None,
+        canvas_valid: Tensor | None,
+        lo: int = 0,
+        checked: int = 0,
     ) -> Tensor:
         """Logits `[b, m, v]` of the block's tokens `lo .. q - 1` (q = canvas length; m >= 1).
 
@@ -211,6 +235,8 @@ class _CachedRunner:
         (the LM head is a large share of a small model's step). `canvas_valid`
         [b, q] marks the canvas positions each row really feeds (its window); the others are keys
         nobody attends to, so a row's result never depends on its batch neighbours' windows.
+        `checked` (clean part alone): also the logits that predicted the clean part's last `checked`
+        tokens, first (AR jump-forward checks what the model would have written there).
         """
         c = 0 if clean is None else clean.shape[1]
         q = 0 if canvas is None else canvas.shape[1]
@@ -221,12 +247,12 @@ class _CachedRunner:
             lay = replace(lay, valid=torch.cat([lay.valid[:, : self.n + c], canvas_valid], 1))
         # The predicate's mask where it differs from key validity: a prompt (causal) and a clean block
         # beside a canvas (it must not see it). Anything else sees every valid key: a broadcast row.
-        full_mask = self.n == 0 or (c > 0 and q > 0)
+        full_mask = self.n == 0 or (c > 0 and q > 0) or c > 1  # several clean tokens: causal among them
         hidden = cached_block_hidden(self.model, ids, lay, self.cache, full_mask=full_mask, lean=self.lean)
         if q:
             self.cache.crop(-q)  # negative = number of tokens to drop (transformers 5)
         self.n += c
-        cols = slice(c - 1, c + q - 1 if q else c) if c else slice(lo - 1, q - 1)
+        cols = slice(c - 1 - checked, c + q - 1 if q else c) if c else slice(lo - 1, q - 1)
         return lm_logits(self.model, hidden[:, cols])
 
     def keep(self, rows: Sequence[int]) -> None:
@@ -251,7 +277,12 @@ class _RecomputeRunner:
         self.seq, self.layout = self.seq[perm], self.layout.rows(perm)
 
     def forward(
-        self, clean: Tensor | None, canvas: Tensor | None, canvas_valid: Tensor | None, lo: int = 0
+        self,
+        clean: Tensor | None,
+        canvas: Tensor | None,
+        canvas_valid: Tensor | None,
+        lo: int = 0,
+        checked: int = 0,
     ) -> Tensor:
         if clean is not None:
             self.seq = clean if self.seq is None else torch.cat([self.seq, clean], 1)
@@ -264,7 +295,11 @@ class _RecomputeRunner:
         seq = self.seq[:rows]
         ids = seq if canvas is None else torch.cat([seq, canvas], 1)
         hidden = layout_hidden(self.model, ids, lay)
-        cols = slice(n - 1, n + q - 1 if q else n) if clean is not None else slice(n + lo - 1, n + q - 1)
+        cols = (
+            slice(n - 1 - checked, n + q - 1 if q else n)
+            if clean is not None
+            else slice(n + lo - 1, n + q - 1)
+        )
         return lm_logits(self.model, hidden[:, cols])
 
     def keep(self, rows: Sequence[int]) -> None:
@@ -291,63 +326,92 @@ def _constrain_commits(
     logits: Tensor,
     tokens: list[list[int]],
     logps: list[list[float]],
-    commit: list[list[bool]],
+    cands: list[list[bool]],
+    chosen: list[list[bool]],
     budgets: Sequence[int],
     must_commit: bool,
     cfg: DecodeConfig,
     gen: torch.Generator,
-) -> list[int]:
-    """Make the commits `commit` [b][m] obey each row's constraint; in place, corrections per row.
+) -> tuple[list[list[bool]], list[int]]:
+    """Each row's commits under its constraint, and the corrections per row (`tokens`/`logps` in place).
 
-    `logits` [b, m, v] and `tokens`/`logps` [b][m] are the step's choices; under the `prefix` rule a
-    row's commits are one run, walked left to right through its constraint (`budgets[i]` = tokens the
-    row may still write at position 0). A disallowed token is replaced by the best allowed one where a
-    commit is due (the run's first position, or every position when `must_commit`) and cuts the run
-    elsewhere. Log-probs become those of the constrained (renormalised) distribution.
+    `logits` [b, m, v] and `tokens`/`logps` [b][m] are the step's choices, `cands` [b][m] the masked
+    positions fed, `chosen` [b][m] those the commit rule picked before its prefix cut
+    (`_commit_mask(..., cut=False)`). Under
+    the `prefix` rule a row's commits are one run from its first candidate, walked left to right
+    through its constraint (`budgets[i]` = tokens the row may still write at position 0):
+    * a position the constraint leaves one token (`only`, with `cfg.jump_forward`) joins the run as
+      certain (log-prob 0 under the constrained distribution), whatever the model's confidence;
+    * any other position joins while the rule chose it. A disallowed token is replaced by the best
+      allowed one where a commit is due (the run's first position, or every position when
+      `must_commit`) and cuts the run elsewhere.
+    A correction is counted wherever the model's own choice was due or confident and the constraint
+    changed it, jumped positions included, so a row with none wrote only its own choices. Log-probs
+    become those of the constrained (renormalised) distribution.
 
     The automaton walk is plain Python per committed token; the tensor work (renormalised log-probs)
     is one batched pass over every constrained commit of the step, however long the runs are.
     """
     forced = [0] * len(constraints)
+    commits = [[False] * len(row) for row in chosen]
     where: list[tuple[int, int]] = []  # constrained commits, and the masks they were checked against
     masks: list[Tensor] = []
     for i, constraint in enumerate(constraints):
-        if constraint is None:
-            continue
-        row = commit[i]
-        for n, j in enumerate([c for c, due in enumerate(row) if due]):
+        cand, row, commit, first = cands[i], chosen[i], commits[i], True
+        for j in range(len(cand)):
+            if not cand[j]:  # committed before the run, or past the row's window (masked
+                if first:  # positions are one suffix of the block, so the run ends there)
+                    continue
+                break
+            due = first or must_commit
+            if constraint is None:  # nothing to check: the rule's own run
+                if not (due or row[j]):
+                    break
+                commit[j], first = True, False
+                continue
+            only = constraint.only(budgets[i] - j) if cfg.jump_forward else None
+            if only is not None:  # certain: the one token the constraint allows
+                forced[i] += int(tokens[i][j] != only)  # the model's own choice was another token
+                tokens[i][j], logps[i][j] = only, 0.0
+                commit[j], first = True, False
+                constraint.advance(only)
+                continue
+            if not (due or row[j]):  # neither chosen nor certain: the run ends here
+                break
             allowed = constraint.allowed(budgets[i] - j)
             token = tokens[i][j]
-            if allowed is None:  # any token: nothing to correct, the log-prob stays the model's
-                constraint.advance(token)
-                continue
-            if not bool(allowed[token]):
-                forced[i] += 1
-                if n > 0 and not must_commit:  # not due here: end the run before it
-                    row[j:] = [False] * (len(row) - j)
-                    break
-                x = logits[i, j].masked_fill(~allowed.to(logits.device), -math.inf)
-                token = int(_choose(x, cfg, gen)[0])  # the best allowed token (or a sample among them)
-                tokens[i][j] = token
-            where.append((i, j))
-            masks.append(allowed)
+            if allowed is not None:
+                if not bool(allowed[token]):
+                    forced[i] += 1
+                    if not due:  # not due here: end the run before it
+                        break
+                    x = logits[i, j].masked_fill(~allowed.to(logits.device), -math.inf)
+                    token = int(_choose(x, cfg, gen)[0])  # the best allowed token (or a sample among them)
+                    tokens[i][j] = token
+                where.append((i, j))
+                masks.append(allowed)
+            # allowed None = any token: nothing to correct, the log-prob stays the model's
+            commit[j], first = True, False
             constraint.advance(token)
     if where:
         r, c = (torch.tensor(idx, device=logits.device) for idx in zip(*where, strict=True))
-        chosen = torch.tensor([tokens[i][j] for i, j in where], device=logits.device)
+        picked = torch.tensor([tokens[i][j] for i, j in where], device=logits.device)
         x = logits[r, c].float() / (cfg.temperature if cfg.do_sample else 1.0)
         x = x.masked_fill(~torch.stack(masks).to(logits.device), -math.inf)  # the constrained distribution
-        renormalised = torch.log_softmax(x, -1).gather(1, chosen[:, None]).squeeze(1).tolist()
+        renormalised = torch.log_softmax(x, -1).gather(1, picked[:, None]).squeeze(1).tolist()
         for (i, j), logp in zip(where, renormalised, strict=True):
             logps[i][j] = logp
-    return forced
+    return commits, forced
 
 
-def _commit_mask(cand: list[bool], logp: list[float], threshold: float, fill: bool, rule: str) -> list[bool]:
+def _commit_mask(
+    cand: list[bool], logp: list[float], threshold: float, fill: bool, rule: str, cut: bool = True
+) -> list[bool]:
     """Positions of one row to commit among its masked candidates `cand` under commit rule `rule`.
 
     Every rule commits at least one position of a row with a candidate (guarantees progress). A
-    position is confident when its probability is above `threshold`.
+    position is confident when its probability is above `threshold`. `cut=False` skips the `prefix`
+    rule's cut to one run (the constrained walk, `_constrain_commits`, makes its own run).
     """
     if fill or not any(cand):  # step cap reached: fill every remaining position
         return list(cand)
@@ -356,7 +420,7 @@ def _commit_mask(cand: list[bool], logp: list[float], threshold: float, fill: bo
     extra = max(cands, key=lambda j: logp[j]) if rule == "confident" else cands[0]
     log_tau = math.log(threshold) if threshold > 0 else -math.inf
     chosen = [c and (logp[j] > log_tau or j == extra) for j, c in enumerate(cand)]
-    if rule == "prefix":  # only the unbroken run of chosen positions from the leftmost masked one
+    if rule == "prefix" and cut:  # only the unbroken run of chosen positions from the leftmost masked one
         run = True
         for j, c in enumerate(cand):
             run = run and (chosen[j] or not c)  # committed positions do not break the run
@@ -471,20 +535,24 @@ def _run_block(
         chosen, chosen_logps = _choose(logits, cfg, gen)
         tokens, logps = chosen.tolist(), chosen_logps.tolist()
         m = logits.shape[1]
-        commits = []
+        cands, commits = [], []
         for i, r in enumerate(rows):
             cand = [blk.masked[r][j] and j < fed[i] for j in range(lo, lo + m)]
             conf = logps[i]
             if lo == 0:  # column 0, the block's first token, is predicted by the clean part, not the
                 # canvas; only this forward predicts it: every rule takes it, as if certain
                 cand[0], conf = blk.masked[r][0], [0.0, *conf[1:]]
-            commits.append(_commit_mask(cand, conf, cfg.threshold, fill, cfg.commit_rule))
+            cands.append(cand)
+            # constrained rows make their run in the constraint walk (it may extend it)
+            cut = constraints is None
+            commits.append(_commit_mask(cand, conf, cfg.threshold, fill, cfg.commit_rule, cut=cut))
         if constraints is not None:
-            fixes = _constrain_commits(
+            commits, fixes = _constrain_commits(
                 [constraints[r] for r in rows],
                 logits,
                 tokens,
                 logps,
+                cands,
                 commits,
                 [budgets[r] - lo for r in rows],
                 fill,
@@ -506,22 +574,55 @@ def _first_token(
     gen: torch.Generator,
     constraints: Sequence[TokenConstraint | None] | None,
     budgets: Sequence[int],
+    jumped: int = 0,
 ) -> None:
     """One forward of the clean tokens alone; its last logit is the block's first token (step 0).
 
     AR decoding is this and nothing else, one forward per token, so it is kept free of the canvas
-    bookkeeping of `_run_block`.
+    bookkeeping of `_run_block`. `jumped`: the clean part's last tokens that AR jump-forward wrote
+    without a forward (`_jump_forward`); the logits that predict them are computed here too, and
+    where the model would have written another token it counts as a correction, exactly as a
+    forward per token would have counted it.
     """
-    first = runner.forward(pending, None, None)  # [b, 1, v]
+    logits = runner.forward(pending, None, None, checked=jumped)  # [b, jumped + 1, v]
+    if jumped:
+        assert pending is not None
+        would = _choose(logits[:, :jumped], cfg, gen)[0]
+        fixes = (would != pending[:, -jumped:]).sum(1).tolist()
+        blk.forced = [f + fix for f, fix in zip(blk.forced, fixes, strict=True)]
+    first = logits[:, -1:]
     chosen, chosen_logps = _choose(first, cfg, gen)
     tokens, logps = chosen.tolist(), chosen_logps.tolist()
     commit = [[True] for _ in tokens]
     if constraints is not None:
-        fixes = _constrain_commits(constraints, first, tokens, logps, commit, budgets, True, cfg, gen)
+        commit, fixes = _constrain_commits(
+            constraints, first, tokens, logps, commit, commit, budgets, True, cfg, gen
+        )
         blk.forced = [f + fix for f, fix in zip(blk.forced, fixes, strict=True)]
     for r in range(len(tokens)):
         blk.apply(r, commit[r], tokens[r], logps[r], 0, 0)
         blk.nfe[r] += 1
+
+
+def _jump_forward(
+    blk: _Block, constraints: Sequence[TokenConstraint | None] | None, budgets: Sequence[int], eos: set[int]
+) -> bool:
+    """AR jump-forward: when every row's constraint leaves one next token, write it (no forward).
+
+    The rows of a batch move in step, so one row with a choice to make costs the forward anyway.
+    An end token or a row's last allowed token is never jumped: the forward that follows checks
+    what the model would have written at jumped positions (`_first_token`), and those rows have none.
+    """
+    if constraints is None or not constraints:
+        return False
+    only = [None if c is None or b <= 1 else c.only(b) for c, b in zip(constraints, budgets, strict=True)]
+    if any(t is None or t in eos for t in only):
+        return False
+    for r, (constraint, token) in enumerate(zip(constraints, only, strict=True)):
+        assert constraint is not None and token is not None
+        blk.apply(r, [True], [token], [0.0], 0, 0)  # certain under the constrained distribution
+        constraint.advance(token)
+    return True
 
 
 def left_pad_prompts(
@@ -620,20 +721,27 @@ def _decode_batch(
     records = [_Record() for _ in prompts]
     active = list(range(len(prompts)))  # record index of each row still in the batch
     pending: Tensor | None = ids  # clean tokens the cache does not hold yet: the prompt, then each block
+    jumped = 0  # AR: tokens at the end of `pending` written by jump-forward, not by a forward
     for b_idx in range(n_blocks):
         limit = min(k, cfg.max_new_tokens - b_idx * k)
         rows = None if constraints is None else [constraints[r] for r in active]
         budgets = [cfg.max_new_tokens - len(records[r].tokens) for r in active]
         blk = _Block.empty(len(active), k, mask_id)
-        if k == 1 or not cfg.fused:  # the clean part's forward alone gives the block's first token
-            _first_token(runner, pending, blk, cfg, gen, rows, budgets)
-            pending = None
+        jump = k == 1 and cfg.jump_forward and _jump_forward(blk, rows, budgets, eos)
+        if not jump and (k == 1 or not cfg.fused):  # the clean part's forward alone gives the first token
+            _first_token(runner, pending, blk, cfg, gen, rows, budgets, jumped)
+            pending, jumped = None, 0
         if k > 1:
             _run_block(runner, pending, blk, cfg, limit, eos, gen, rows, budgets)
         keep = _record_block(records, active, blk, limit, eos, last_block=b_idx == n_blocks - 1)
         if not keep:
             break
-        pending = torch.tensor([blk.tokens[i] for i in keep], device=dev)
+        written = torch.tensor([blk.tokens[i] for i in keep], device=dev)
+        if jump:  # no row ends on a jumped token: the batch is unchanged, the token waits in `pending`
+            assert pending is not None and len(keep) == len(active)
+            pending, jumped = torch.cat([pending, written], 1), jumped + 1
+            continue
+        pending = written
         if len(keep) < len(active) or not runner.slots.in_order:  # finished rows leave the batch
             runner.keep(keep)
             active = [active[i] for i in keep]

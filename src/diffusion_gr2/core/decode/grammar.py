@@ -19,6 +19,9 @@ depends on the tokenizer and is shared by every request.
 
 The decoder (`decode(..., constraints=...)`) asks `allowed(budget)` before committing a token and
 calls `advance(token)` after; see `decoder.py` for how it counts the answers the grammar corrected.
+`only(budget)` names the token when the grammar leaves exactly one (the rest of a SID its first
+tokens pinned, the last candidate, the end token): the decoder writes those without waiting for the
+model's confidence (`DecodeConfig.jump_forward`).
 """
 
 from __future__ import annotations
@@ -35,7 +38,14 @@ from transformers import PreTrainedTokenizerBase
 from diffusion_gr2.core.text.prompt import split_sid
 from diffusion_gr2.core.text.tokenizer import SPECIAL_TOKENS
 
-__all__ = ["AnswerGrammar", "GrammarTokens", "TokenConstraint", "allowed_masks", "answer_grammars"]
+__all__ = [
+    "AnswerGrammar",
+    "GrammarTokens",
+    "TokenConstraint",
+    "accepts",
+    "allowed_masks",
+    "answer_grammars",
+]
 
 OPEN = '{"explanation":"'
 CLOSE = '","recommendations":["'  # ends with the first SID's opening quote
@@ -55,6 +65,14 @@ class TokenConstraint(Protocol):
 
     def advance(self, token: int) -> None:
         """Consume one committed token (it must be allowed)."""
+        ...
+
+    def only(self, budget: int) -> int | None:
+        """The one token allowed next when there is exactly one (None: several, or any).
+
+        Cheap by contract (no tensor work): the decoder asks it at every position it may commit,
+        and writes such a token without the model's say (`DecodeConfig.jump_forward`).
+        """
         ...
 
     def copy(self) -> TokenConstraint:
@@ -94,9 +112,11 @@ class GrammarTokens:
     text_masks: dict[bool, Tensor]  # escape pending -> tokens that continue (or close) the explanation
     close_masks: dict[bool, Tensor]  # escape pending -> tokens that (also) start the closing literal
     text_effects: dict[tuple[bool, int], tuple[str, bool | int]]  # (escaped, id) -> `_scan_text` result
-    # caches, filled on first use: literal -> canonical ids, (literal, then text) -> allowed mask
+    # caches, filled on first use: literal -> canonical ids, (literal, then text) -> allowed mask,
+    # and the one token such a mask allows (None: several)
     _canonical: dict[str, list[int]] = field(default_factory=dict, repr=False)
     _literal_masks: dict[tuple[str, bool], Tensor] = field(default_factory=dict, repr=False)
+    _literal_only: dict[tuple[str, bool], int | None] = field(default_factory=dict, repr=False)
 
     @classmethod
     def from_tokenizer(cls, tokenizer: PreTrainedTokenizerBase, eos_token: str) -> GrammarTokens:
@@ -149,6 +169,14 @@ class GrammarTokens:
                 )
             self._literal_masks[key] = mask
         return self._literal_masks[key]
+
+    def literal_only(self, remaining: str, then_text: bool) -> int | None:
+        """The one token `literal_mask(remaining, then_text)` allows, None when it allows several."""
+        key = (remaining, then_text)
+        if key not in self._literal_only:
+            ids = self.literal_mask(remaining, then_text).nonzero().flatten().tolist()
+            self._literal_only[key] = ids[0] if len(ids) == 1 else None
+        return self._literal_only[key]
 
     def sid_ids_of(self, sid: str) -> tuple[int, ...]:
         """Token ids of one SID string (`<a_1><b_2>...`); a clear error for anything else.
@@ -223,6 +251,21 @@ class AnswerGrammar:
             return mask
         return None  # done: the row has ended; later positions never reach the output
 
+    def only(self, budget: int) -> int | None:
+        """The forced token, if any: mirrors `allowed` without building a mask (the decoder's fast path)."""
+        t = self.tokens
+        if self.phase == "literal":
+            if budget <= self._needed():
+                return t.canonical_ids(self.literal)[0]
+            return t.literal_only(self.literal, self.then == "text")
+        if self.phase == "sid":  # the last candidate left, or the SID already pinned by its prefix
+            depth = len(self.partial)
+            options = {s[depth] for s in self.remaining if s[:depth] == self.partial}
+            return next(iter(options)) if len(options) == 1 else None
+        if self.phase == "eos":
+            return t.eos_id
+        return None  # explanation text always has several continuations; done: any token
+
     def advance(self, token: int) -> None:
         t = self.tokens
         if self.phase == "literal":
@@ -289,6 +332,21 @@ def allowed_masks(
         rows.append(torch.ones(vocab, dtype=torch.bool) if allowed is None else allowed)
         state.advance(int(token))
     return torch.stack(rows) if rows else torch.ones(0, vocab, dtype=torch.bool)
+
+
+def accepts(constraint: TokenConstraint, tokens: Sequence[int], max_new_tokens: int) -> bool:
+    """Whether `constraint` allows every token of an output decoded without it (budgets as the decoder's).
+
+    A free output it accepts is exactly what constrained decoding without jump-forward writes with
+    no correction: the model's own answer, one the grammar never had to touch.
+    """
+    state = constraint.copy()
+    for n, token in enumerate(tokens):
+        allowed = state.allowed(max_new_tokens - n)
+        if allowed is not None and not bool(allowed[int(token)]):
+            return False
+        state.advance(int(token))
+    return True
 
 
 def answer_grammars(

@@ -116,24 +116,32 @@ def user_values(frame: pd.DataFrame | Iterable[Mapping[str, Any]]) -> dict[str, 
 
     Rows need ``target``, ``ranking`` (after fallback) and ``valid``; an invalid output is served the
     pre-rank order, so ``fallback_rate`` is the share of invalid rows, and a row without a ranking is
-    ranked by its ``prerank`` when present. ``unforced_rate`` is the share of valid rows that a
-    decoding constraint never corrected (``forced`` = 0, the default when the column is absent): the
-    model's own valid-output rate, which equals ``valid_rate`` for unconstrained decoding.
-    ``recall@1_unforced`` is the R@1 of serving the model's answer only where the grammar corrected
-    nothing and the pre-rank everywhere else (one constrained pass, a second serving policy). It is
-    not free decoding's R@1: the grammar is stricter than the parser (key order, spacing, escapes), so
-    an answer it corrected may still have parsed, and free decoding would serve that ranking, better or
-    worse than the pre-rank. On every other row the two policies agree (an unforced answer is token
-    for token the free one; an answer the parser rejects falls back either way).
+    ranked by its ``prerank`` when present. ``unforced_rate`` is the share of rows whose own answer
+    (free greedy decoding) the grammar accepts: ``unforced`` when the row has it (`rerank` writes it),
+    else valid with no correction (``forced`` = 0, the default when absent). It is the model's own
+    valid-output rate, which equals ``valid_rate`` for unconstrained decoding.
+    ``recall@1_unforced`` is the R@1 of serving the model's own answer (``unforced_ranking``, or the
+    served one when the row has none) where the grammar accepts it and the pre-rank everywhere else.
+    It is not free decoding's R@1: the grammar is stricter than the parser (key order, spacing,
+    escapes), so an answer it rejects may still have parsed, and free decoding would serve that
+    ranking, better or worse than the pre-rank. On every other row the two policies agree.
     """
     rows = _rows(frame)
     ranks = np.array([target_rank(_final_ranking(r), r["target"]) for r in rows], dtype=np.int64)
     valid = np.array([bool(r["valid"]) for r in rows], dtype=np.float64)
-    unforced = np.array([bool(r["valid"]) and not r.get("forced", 0) for r in rows], dtype=np.float64)
+    unforced = np.array(
+        [
+            bool(r["unforced"]) if "unforced" in r else bool(r["valid"]) and not r.get("forced", 0)
+            for r in rows
+        ],
+        dtype=np.float64,
+    )
     unforced_ranks = np.array(
         [
-            rank if ok else target_rank(r.get("prerank"), r["target"])
-            for rank, ok, r in zip(ranks, unforced, rows, strict=True)
+            target_rank(r["unforced_ranking"] if "unforced_ranking" in r else _final_ranking(r), r["target"])
+            if ok
+            else target_rank(r.get("prerank"), r["target"])
+            for ok, r in zip(unforced, rows, strict=True)
         ],
         dtype=np.int64,
     )

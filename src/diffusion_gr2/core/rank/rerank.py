@@ -4,7 +4,12 @@
 candidate SIDs and maps the SIDs back to item ids; an invalid answer is served the pre-rank order and
 counted (DESIGN §4). With `RerankConfig.constrained` (the default) decoding follows each request's
 answer grammar (`decode/grammar.py`), so every answer is a valid ranking; `forced` counts the
-corrections, and `unforced_rate` in the metrics is the model's own valid-output rate. Its rows are
+corrections. `unforced` marks the requests where the model's own answer (unconstrained greedy
+decoding) is one the grammar accepts, and `unforced_ranking` holds that answer's ranking: for AR,
+and without jump-forward, that is the served answer with `forced == 0` (token for token the free
+one); a diffusion system with jump-forward (the default) writes forced tokens the model never chose,
+so its own answer comes from a second, free pass (`own_answers`). `unforced_rate` in the metrics is
+the model's own valid-output rate, the method's claim; `valid_rate` is the product's. Its rows are
 the `rankings.parquet` contract: every number in `stage_metrics.json` is recomputable from them alone
 (`stage_metrics`).
 
@@ -26,7 +31,7 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from diffusion_gr2.core.decode.decoder import DecodeConfig, DecodeOutput, decode
-from diffusion_gr2.core.decode.grammar import AnswerGrammar, answer_grammars
+from diffusion_gr2.core.decode.grammar import AnswerGrammar, accepts, answer_grammars
 from diffusion_gr2.core.rank.metrics import (
     METRICS,
     paired_bootstrap,
@@ -59,6 +64,8 @@ __all__ = [
     "rerank_system",
     "request_grammars",
     "resolve_device",
+    "needs_own_pass",
+    "own_answers",
     "select_requests",
     "stage_metrics",
     "system_key",
@@ -82,6 +89,8 @@ RANKING_COLUMNS = (
     "output_tokens",
     "nfe",
     "forced",
+    "unforced",  # the model's own (free greedy) answer is one the grammar accepts
+    "unforced_ranking",  # item ids of that answer (empty when not unforced)
     "output_text",
 )
 
@@ -97,6 +106,7 @@ class RerankConfig:
     constrained: bool = True  # decode under each request's answer grammar (every answer valid)
     device: str = "auto"  # "auto" = cuda when available, else cpu
     backend: str = DecodeConfig.backend  # the model forward: "auto", "lean" or "eager" (decoder.BACKENDS)
+    jump_forward: bool = DecodeConfig.jump_forward  # constrained: write tokens the grammar forces at once
 
 
 def resolve_device(name: str) -> torch.device:
@@ -159,6 +169,7 @@ def decode_config_for(
         temperature=temperature,
         seed=seed,
         backend=config.backend,
+        jump_forward=config.jump_forward,
     )
 
 
@@ -219,20 +230,23 @@ def ranking_rows(
     tau: float | None,
     window: int | None = None,
     split: str = "test",
+    own: Sequence[tuple[bool, list[str]]] | None = None,
 ) -> pd.DataFrame:
     """Parse each output against its request's candidate SIDs; rows in `RANKING_COLUMNS` order.
 
     A valid answer's SIDs are mapped back to item ids; an invalid one is served the pre-rank order
-    (DESIGN §4) and keeps its parser reason.
+    (DESIGN §4) and keeps its parser reason. `own` (from `own_answers`): per request, whether the
+    model's own answer is grammar-accepted and its SIDs; None = the served answer with `forced == 0`.
     """
-    if len(requests) != len(outputs):
+    if len(requests) != len(outputs) or (own is not None and len(own) != len(outputs)):
         raise ValueError(f"{len(requests)} requests but {len(outputs)} outputs")
     rows = []
-    for req, out in zip(requests.itertuples(index=False), outputs, strict=True):
+    for n, (req, out) in enumerate(zip(requests.itertuples(index=False), outputs, strict=True)):
         sids, items = [str(s) for s in req.candidate_sids], [int(i) for i in req.candidates]
         text = decode_response(tokenizer, out.tokens)
         parsed = parse_answer(text, sids)
         item_of = dict(zip(sids, items, strict=True))
+        unforced, own_sids = own[n] if own is not None else (parsed.valid and out.forced == 0, parsed.ranking)
         rows.append(
             {
                 "split": split,
@@ -249,6 +263,8 @@ def ranking_rows(
                 "output_tokens": len(out.tokens),
                 "nfe": int(out.nfe),
                 "forced": int(out.forced),
+                "unforced": bool(unforced),
+                "unforced_ranking": [item_of[s] for s in own_sids] if unforced else [],
                 "output_text": text,
             }
         )
@@ -256,8 +272,32 @@ def ranking_rows(
 
 
 def _unforced(rows: pd.DataFrame) -> pd.Series:
-    """Rows whose answer is valid with no grammar correction: what free decoding gets right."""
-    return rows["valid"] & (rows["forced"] == 0)
+    """Rows whose own (free greedy) answer the grammar accepts: what free decoding gets right."""
+    if "unforced" in rows:
+        return rows["unforced"].astype(bool)
+    return rows["valid"] & (rows["forced"] == 0)  # rankings written before the column existed
+
+
+def needs_own_pass(config: DecodeConfig, grammars: Sequence[AnswerGrammar] | None) -> bool:
+    """Whether served answers can differ from the model's own without a correction being counted:
+    diffusion under a grammar with jump-forward (AR jump-forward is exact, see decoder.py)."""
+    return grammars is not None and config.block_size > 1 and config.jump_forward
+
+
+def own_answers(
+    outputs: Sequence[DecodeOutput],
+    requests: pd.DataFrame,
+    tokenizer: PreTrainedTokenizerBase,
+    grammars: Sequence[AnswerGrammar],
+    max_new_tokens: int,
+) -> list[tuple[bool, list[str]]]:
+    """Per free (unconstrained) output: whether its request's grammar accepts it, and its SIDs."""
+    own = []
+    for out, grammar, sids in zip(outputs, grammars, requests["candidate_sids"], strict=True):
+        parsed = parse_answer(decode_response(tokenizer, out.tokens), [str(s) for s in sids])
+        ok = parsed.valid and accepts(grammar, out.tokens, max_new_tokens)
+        own.append((ok, list(parsed.ranking) if ok else []))
+    return own
 
 
 def rerank(
@@ -278,12 +318,16 @@ def rerank(
     label = system if tau is None else f"{system} tau={tau}"
     if config.window is not None:
         label += f" window={config.window}"
+    prompts = list(requests["prompt_ids"])
     start = time.perf_counter()
-    outputs = decode_requests(
-        model, list(requests["prompt_ids"]), config, desc=f"{split} {label}", grammars=grammars
-    )
+    outputs = decode_requests(model, prompts, config, desc=f"{split} {label}", grammars=grammars)
     elapsed = time.perf_counter() - start
-    rows = ranking_rows(requests, outputs, tokenizer, system, tau, config.window, split)
+    own = None
+    if needs_own_pass(config, grammars):  # the model's own answers: a second pass, free (not timed)
+        assert grammars is not None
+        free = decode_requests(model, prompts, config, desc=f"{split} {label} (free)")
+        own = own_answers(free, requests, tokenizer, grammars, config.max_new_tokens)
+    rows = ranking_rows(requests, outputs, tokenizer, system, tau, config.window, split, own)
     rows.attrs["decode_s"] = elapsed
     unforced = _unforced(rows)
     logger.info(
@@ -370,6 +414,8 @@ def prerank_rows(requests: pd.DataFrame, split: str = "test") -> pd.DataFrame:
             "output_tokens": 0,
             "nfe": 0,
             "forced": 0,
+            "unforced": True,
+            "unforced_ranking": [list(p) for p in prerank],
             "output_text": "",
         },
         columns=list(RANKING_COLUMNS),
