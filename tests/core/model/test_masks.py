@@ -8,6 +8,7 @@ import torch
 from diffusion_gr2.core.model.masks import (
     additive_mask,
     attention_mask,
+    block_order_mask,
     cached_step_mask,
     dense_mask,
     flex_mask,
@@ -129,3 +130,18 @@ def test_flex_block_mask_is_built_from_the_same_predicate() -> None:
     )
     via_mod = block_mask.mask_mod(b, torch.zeros_like(b), q, kv)
     assert torch.equal(via_mod[:, None], dense_mask(layout))
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_block_order_mask_is_the_predicate_after_the_prompt(k: int) -> None:
+    """Every decode step after the prefill (a clean block beside a canvas, AR's jumped tokens, a
+    canvas alone) gets from `block_order_mask` exactly the predicate's mask, padded prompts included."""
+    prompt_valid = torch.tensor([[False, False, True, True, True], [True, True, True, True, True]])
+    layout = prompt_response_layout(prompt_valid, torch.ones(2, 4 * k, dtype=torch.bool), k)
+    p = prompt_valid.shape[1]
+    for cached, fed in [(p, 2 * k), (p + k, 2 * k), (p + k, k), (p, 3)]:
+        head = layout.head(cached + fed)
+        assert torch.equal(block_order_mask(head, fed), dense_mask(head, fed)), (cached, fed)
+    assert not torch.equal(
+        block_order_mask(layout.head(p), p), dense_mask(layout.head(p), p)
+    )  # padded prefill

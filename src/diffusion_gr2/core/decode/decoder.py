@@ -245,10 +245,13 @@ class _CachedRunner:
         lay = self.layout.head(end, rows=ids.shape[0])  # the rows taking part hold the first slots
         if canvas_valid is not None:
             lay = replace(lay, valid=torch.cat([lay.valid[:, : self.n + c], canvas_valid], 1))
-        # The predicate's mask where it differs from key validity: a prompt (causal) and a clean block
-        # beside a canvas (it must not see it). Anything else sees every valid key: a broadcast row.
-        full_mask = self.n == 0 or (c > 0 and q > 0) or c > 1  # several clean tokens: causal among them
-        hidden = cached_block_hidden(self.model, ids, lay, self.cache, full_mask=full_mask, lean=self.lean)
+        # The prompt needs the predicate's mask (causal, padded queries); a clean block beside a canvas
+        # (it must not see it) and several clean tokens (AR jump-forward: causal) need block order;
+        # anything else sees every valid key: a broadcast row.
+        full_mask, block_order = self.n == 0, c > 1 or (c > 0 and q > 0)
+        hidden = cached_block_hidden(
+            self.model, ids, lay, self.cache, full_mask=full_mask, lean=self.lean, block_order=block_order
+        )
         if q:
             self.cache.crop(-q)  # negative = number of tokens to drop (transformers 5)
         self.n += c

@@ -23,7 +23,9 @@ from diffusion_gr2.core.model.factory import load_model, save_model
 from diffusion_gr2.core.model.lean import LeanForward
 from diffusion_gr2.core.model.masks import (
     Layout,
+    additive_mask,
     attention_mask,
+    block_order_mask,
     cached_step_mask,
     dense_mask,
     flex_mask,
@@ -69,23 +71,32 @@ def cached_block_hidden(
     cache: Cache,
     full_mask: bool = False,
     lean: LeanForward | None = None,
+    block_order: bool = False,
 ) -> Tensor:
     """Hidden states `[b, q, h]` of `block` `[b, q]` run after the clean prefix held in `cache`.
 
     `layout` covers cache + block (n + q columns). The block's keys/values are appended to `cache`
     (crop them off again for a noisy canvas). The decoder's single canvas sees every key, so its mask
     is key validity alone; `full_mask` builds the predicate's mask instead, for queries that hold
-    several canvases as noisy copies (replay). `lean` runs the same forward without the modules
-    (`lean.py`, the decoder's `backend: lean`).
+    several canvases as noisy copies (replay). `block_order` builds the same mask for queries that
+    need block order but hold no copies (a clean block beside a canvas, several clean tokens after
+    the prompt: `block_order_mask`). `lean` runs the same forward without the modules (`lean.py`,
+    the decoder's `backend: lean`).
     """
     q, impl = block.shape[1], model.config._attn_implementation
     if lean is not None:  # boolean masks, as SDPA takes them
-        mask = dense_mask(layout, q) if full_mask else layout.valid[:, None, None, :]
+        if full_mask:
+            mask = dense_mask(layout, q)
+        else:
+            mask = block_order_mask(layout, q) if block_order else layout.valid[:, None, None, :]
         return lean.hidden(block, layout.position[:, -q:], mask, cache)
     if impl == "flex_attention":
         mask = flex_mask(layout, q)
     elif full_mask:
         mask = attention_mask(layout, impl, model.dtype, q_len=q)
+    elif block_order:
+        order = block_order_mask(layout, q)
+        mask = additive_mask(order, model.dtype) if impl == "eager" else order
     else:  # a slice of the validity row, not a rebuilt mask: cheap on every decode step
         mask = cached_step_mask(layout.valid, impl, model.dtype)
     out = model.base_model(
