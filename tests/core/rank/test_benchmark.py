@@ -248,7 +248,7 @@ def test_every_setting_gets_min_calls_over_the_rounds_counted_by_the_clock(
     assert rows_of_rl == [(0.6, 2, True, 1), (0.6, 2, True, 4), (0.9, None, False, 1)]  # + the sweep
 
 
-def test_a_system_without_an_operating_point_is_skipped_with_a_warning(world, caplog) -> None:
+def test_a_system_without_an_operating_point_is_timed_unserved_with_a_warning(world, caplog) -> None:
     tokenizer, prompts, _ = world
     token = tokenizer.convert_tokens_to_ids("<a_3>")
     models = {s: forced_model(tokenizer, token, block_size=4) for s in ("cft", "opd", "rl")}
@@ -260,10 +260,15 @@ def test_a_system_without_an_operating_point_is_skipped_with_a_warning(world, ca
     with caplog.at_level(logging.WARNING, logger=bench.__name__):
         rows = _bench(models, tokenizer, prompts, points=points, sweep_systems=("rl", "cft")).rows
     assert {r["system"] for r in rows if r["operating_point"]} == {"ar_rl", GENERATE, "rl"}
-    assert {(r["system"], r["tau"]) for r in rows if not r["operating_point"]} == {("rl", 0.9), ("cft", 0.9)}
+    # cft (refused) and opd (absent) at the unserved tau across the batch sizes, never marked served
+    unserved = {(r["system"], r["tau"], r["batch_size"]) for r in rows if not r["operating_point"]}
+    assert unserved == {("rl", 0.9, 1)} | {(s, 0.9, b) for s in ("cft", "opd") for b in (1, 4)}
     assert "cft" in caplog.text and "R@1 0.490" in caplog.text and "opd" in caplog.text
-    no_file = _bench(models, tokenizer, prompts, points=None)  # inference never chose one: AR rows only
-    assert {r["system"] for r in no_file.rows} == {"ar_rl", GENERATE}
+    no_file = _bench(models, tokenizer, prompts, points=None)  # inference never chose one
+    assert {r["system"] for r in no_file.rows if r["operating_point"]} == {"ar_rl", GENERATE}
+    assert {r["system"] for r in no_file.rows} == {"ar_rl", GENERATE, "cft", "opd", "rl"}
+    skipped = _bench(models, tokenizer, prompts, points=None, unserved_tau=None)
+    assert {r["system"] for r in skipped.rows} == {"ar_rl", GENERATE}
 
 
 def test_plan_times_a_sweep_point_that_is_the_operating_point_once() -> None:
@@ -330,6 +335,13 @@ def test_speedup_by_batch_plot_and_length_samples_of_a_run(world) -> None:
         "rl τ=0.9 w2 (grammar)" in labels and "rl τ=0.9 w2 (free)" in labels and "generate (free)" in labels
     )
     assert not any(label.startswith("rl τ=0.9 (") for label in labels)  # sweep rows belong to the frontier
+    # refused: rl is drawn at the tau it was timed at across batch sizes, dotted and "not served"
+    unserved = [dict(r, operating_point=False) if r["system"] == "rl" else r for r in result.rows]
+    labels = speedup_by_batch_figure(unserved).axes[0].get_legend_handles_labels()[1]
+    assert [lb for lb in labels if lb.startswith("rl")] == [
+        "rl τ=0.9 w2 (grammar) not served",
+        "rl τ=0.9 w2 (free) not served",
+    ]  # its widest line (two batch sizes), not the one-point sweep row
 
 
 def test_batches_are_full_and_rounds_continue_the_cycle() -> None:

@@ -117,6 +117,10 @@ class BenchmarkConfig:
     sweep_systems: tuple[str, ...] = ("rl",)  # diffusion systems timed at every tau (frontier plot)
     sweep_batch_sizes: tuple[int, ...] = (1, 16)  # the sweep at fewer batch sizes: it is costly
     sweep_constrained: tuple[bool, ...] = (True,)  # the frontier plots R@1 as served, so speed as served
+    # A diffusion system with no operating point (refused, or not chosen for it) is still timed at this
+    # tau (whole block) at its batch sizes, as a line that is not served (`operating_point` false), so
+    # the batch sweep shows what it would give; None = not timed at all.
+    unserved_tau: float | None = 0.9
     min_calls: int = 20  # timed calls per setting, all rounds together (issue 13: >= 20 at batch 16)
     warmup: int = 1  # untimed calls per setting before its first timed call
     # Every setting is timed once per round, rounds one after another: a machine that slows down for
@@ -213,7 +217,8 @@ def plan_settings(
     """Every setting to time, in row order: AR systems (reference first), `generate`, operating points, sweep.
 
     `points` is `operating_point.json`. A diffusion system without an operating point there (none
-    chosen, or refused) gets no operating-point rows, with a warning; its sweep rows, if any, stay.
+    chosen, or refused) gets no operating-point rows, with a warning; it is timed at
+    `config.unserved_tau` instead (rows not marked `operating_point`), and its sweep rows stay.
     A sweep point that is also the operating point is timed once (its row says `operating_point`).
     """
     # (system, tau, window, operating point, batch sizes, constrained flags) of each line
@@ -228,6 +233,9 @@ def plan_settings(
             tau, window = resolve_operating_point(points, system)
         except OperatingPointError as err:
             logger.warning("benchmark: %s is not timed at an operating point: %s", system, err)
+            if config.unserved_tau is not None:  # not served, but its speed across batch sizes is shown
+                tau = float(config.unserved_tau)
+                lines.append((system, tau, None, False, config.batch_sizes_of(system), config.constrained))
             continue
         lines.append((system, tau, window, True, config.batch_sizes_of(system), config.constrained))
     for system in (s for s in config.sweep_systems if s in systems and s not in AR_SYSTEMS):

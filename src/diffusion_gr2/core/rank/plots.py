@@ -277,20 +277,33 @@ def speedup_by_batch_figure(bench_rows: Sequence[Mapping[str, Any]], reference: 
     """Speed-up over `reference` (same batch size, same grammar flag) against batch size.
 
     One line per system at its operating point (`generate` included); solid = under the answer
-    grammar (as served), dashed = free. Sweep rows (not operating points) belong to the frontier.
+    grammar (as served), dashed = free. A diffusion system with no operating point (refused) is drawn
+    at the tau it was timed at across batch sizes (the one with most of them), dotted, "not served".
+    Other sweep rows belong to the frontier.
     """
     fig = Figure(figsize=(7.0, 4.5), layout="constrained")
     ax = fig.add_subplot()
+    served = {r["system"] for r in bench_rows if r["operating_point"]}
     series: dict[tuple[str, Any, Any, bool], list[tuple[int, float]]] = {}
     for row in bench_rows:
-        if row["operating_point"] and row["system"] != reference and row["speedup_vs_ar"] is not None:
+        shown = row["operating_point"] or row["system"] not in served
+        if shown and row["system"] != reference and row["speedup_vs_ar"] is not None:
             key = (row["system"], row["tau"], row["window"], row["constrained"])
             series.setdefault(key, []).append((row["batch_size"], row["speedup_vs_ar"]))
+    widest: dict[str, tuple[int, float, int]] = {}  # unserved system -> its line with most batch sizes
+    for (system, tau, window, _), points in series.items():
+        if system not in served:
+            line = (len(points), float(tau), -1 if window is None else int(window))
+            widest[system] = max(widest.get(system, line), line)
     for (system, tau, window, constrained), points in series.items():
+        unserved = system not in served
+        if unserved and (float(tau), -1 if window is None else int(window)) != widest[system][1:]:
+            continue
         points.sort()
         label = system if tau is None else f"{system} τ={tau:g}"
         label += ("" if window is None else f" w{window}") + (" (grammar)" if constrained else " (free)")
-        style = "-" if constrained else "--"
+        label += " not served" if unserved else ""
+        style = ":" if unserved else "-" if constrained else "--"
         ax.plot(*zip(*points, strict=True), style, marker="o", label=label, color=_color(system))
     ax.axhline(1.0, ls=":", lw=1, color=_color(reference), label=f"{reference} (= 1)")
     ax.set_xscale("log", base=2)

@@ -221,7 +221,9 @@ class Ranker:
                     "ranking": [self.raw_of[item_of[s]] for s in apply_fallback(parsed, sids)],
                     "explanation": parsed.explanation or "",
                     "valid": bool(parsed.valid),  # as served (after the grammar)
-                    "unforced": bool(parsed.valid and out.forced == 0),  # the model's own validity
+                    # the grammar replaced none of the model's choices (a jumped diffusion answer
+                    # rarely: the grammar writes each SID's rest; the own rate is inference's free pass)
+                    "unforced": bool(parsed.valid and out.forced == 0),
                     "reason": parsed.reason,
                     "system": self.config.system,
                     "tau": self.config.tau,
