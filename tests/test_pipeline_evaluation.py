@@ -197,11 +197,17 @@ def benchmark_run(evaluation_run: Path, tmp_path_factory: pytest.TempPathFactory
 def test_benchmark_pipeline_times_ar_generate_and_each_operating_point(benchmark_run: Path) -> None:
     rows = json.loads((benchmark_run / "data/08_reporting/benchmark.json").read_text())
     assert all(list(r) == list(BENCHMARK_KEYS) for r in rows)
-    lines = [("ar_rl", None, None), ("generate", None, None), ("cft", 0.9, None), ("rl", 0.9, 2)]
+    lines = [
+        ("ar_rl", None, None),
+        ("generate", None, None),
+        ("cft", 0.9, None),
+        ("opd", 0.9, None),  # refused: timed at the unserved tau, not marked served
+        ("rl", 0.9, 2),
+    ]
     expected = [(*line, c, b) for line in lines for c in (True, False) for b in (1, 4)]  # smoke: 1 and 4
     expected.append(("rl", 0.9, None, True, 1))  # the sweep (smoke: tau 0.9, batch 1, as served)
     assert [(r["system"], r["tau"], r["window"], r["constrained"], r["batch_size"]) for r in rows] == expected
-    assert [r["operating_point"] for r in rows] == [True] * 16 + [False]  # opd refused: skipped
+    assert [r["operating_point"] for r in rows] == [True] * 12 + [False] * 4 + [True] * 4 + [False]
     assert all(0 < r["mean_output_tokens"] <= 160 and r["output_tokens_per_s"] > 0 for r in rows)
     for r in rows:  # speed-ups against ar_rl at the same batch size and grammar flag, in this run
         ref = next(
@@ -212,7 +218,7 @@ def test_benchmark_pipeline_times_ar_generate_and_each_operating_point(benchmark
         )
         assert r["speedup_vs_ar"] == pytest.approx(r["output_tokens_per_s"] / ref["output_tokens_per_s"])
     by_length = json.loads((benchmark_run / "data/08_reporting/speedup_by_length.json").read_text())
-    assert {r["system"] for r in by_length} == {"ar_rl", "generate", "cft", "rl"}
+    assert {r["system"] for r in by_length} == {"ar_rl", "generate", "cft", "opd", "rl"}
     assert (benchmark_run / "data/08_reporting/plots/speedup_by_batch.png").read_bytes()[:4] == b"\x89PNG"
     assert not (
         benchmark_run / "data/08_reporting/plots/speedup_by_length.png"

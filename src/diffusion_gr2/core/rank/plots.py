@@ -311,7 +311,7 @@ def speedup_by_batch_figure(bench_rows: Sequence[Mapping[str, Any]], reference: 
     ax.set_xticks(sizes, [str(b) for b in sizes])
     ax.set_xlabel("batch size")
     ax.set_ylabel(f"speed-up vs {reference} (output tokens/s)")
-    ax.set_title("Speed-up by batch size, at each system's operating point")
+    ax.set_title("Speed-up by batch size: operating points (dotted: no operating point, not served)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     return fig
