@@ -218,16 +218,17 @@ def test_benchmark_pipeline_times_ar_generate_and_each_operating_point(benchmark
         )
         assert r["speedup_vs_ar"] == pytest.approx(r["output_tokens_per_s"] / ref["output_tokens_per_s"])
     by_length = json.loads((benchmark_run / "data/08_reporting/speedup_by_length.json").read_text())
-    assert {r["system"] for r in by_length} == {"ar_rl", "generate", "cft", "opd", "rl"}
-    assert (benchmark_run / "data/08_reporting/plots/speedup_by_batch.png").read_bytes()[:4] == b"\x89PNG"
-    assert not (
-        benchmark_run / "data/08_reporting/plots/speedup_by_length.png"
-    ).exists()  # removed: no spread
+    # the length sweep: every served line (and opd's unserved one) under the smoke budgets and its own
+    assert {(r["system"], r["budget"]) for r in by_length} == {
+        (s, b) for s in ("ar_rl", "cft", "opd", "rl") for b in (64, 96, 160)
+    }
+    for name in ("speedup_by_batch", "speedup_by_length"):
+        assert (benchmark_run / f"data/08_reporting/plots/{name}.png").read_bytes()[:4] == b"\x89PNG"
     mlflow.set_tracking_uri(f"sqlite:///{benchmark_run / 'mlflow.db'}")
     (run,) = mlflow.search_runs(experiment_names=["diffusion-gr2"], output_format="list")
     assert "bench.rl.tau0.9.w2.b4.grammar.speedup_vs_ar" in run.data.metrics
     plots = {a.path for a in mlflow.MlflowClient().list_artifacts(run.info.run_id, "plots")}
-    assert "plots/speedup_by_batch.png" in plots
+    assert {"plots/speedup_by_batch.png", "plots/speedup_by_length.png"} <= plots
     report = (benchmark_run / "data/08_reporting/report.md").read_text()  # re-rendered with the table
     assert "## Decode benchmark" in report and "`benchmark.json` is absent" not in report
-    assert "](plots/speedup_by_batch.png)" in report
+    assert "](plots/speedup_by_batch.png)" in report and "](plots/speedup_by_length.png)" in report

@@ -7,7 +7,6 @@ import itertools
 import logging
 from collections.abc import Callable, Iterator
 
-import pandas as pd
 import pytest
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerFast
@@ -18,17 +17,20 @@ from diffusion_gr2.core.rank.benchmark import (
     BENCHMARK_KEYS,
     GENERATE,
     BenchmarkConfig,
+    Call,
+    Setting,
     add_speedups,
     calls_per_round,
     cycled_batches,
     format_table,
     full_batches,
+    plan_length_settings,
     plan_settings,
     run_benchmark,
     speedup_by_length,
 )
 from diffusion_gr2.core.rank.operating_point import refused_operating_point
-from diffusion_gr2.core.rank.plots import speedup_by_batch_figure
+from diffusion_gr2.core.rank.plots import speedup_by_batch_figure, speedup_by_length_figure
 from diffusion_gr2.core.rank.rerank import RerankConfig, decode_config_for, request_grammars
 from diffusion_gr2.core.text.tokenizer import IM_END
 from tests.core.model.tiny import tiny_model_for
@@ -96,6 +98,7 @@ def point(tau: float, window: int | None) -> dict:
 def _config(prompts, **kw) -> BenchmarkConfig:
     base = dict(n_prompts=len(prompts), batch_sizes=(1, 4), taus=(0.9,), warmup=1, rounds=1, min_calls=1)
     base |= dict(constrained=(False,), sweep_systems=(), sweep_batch_sizes=(1,), sweep_constrained=(False,))
+    base |= dict(length_budgets=())
     return BenchmarkConfig(**(base | kw))
 
 
@@ -290,26 +293,70 @@ def test_plan_times_a_sweep_point_that_is_the_operating_point_once() -> None:
     assert {s.batch_size for s in planned if s.system != "cft"} == {1, 4}
 
 
-def test_speedup_by_length_buckets_and_ratios() -> None:
-    samples = pd.DataFrame(
+def test_speedup_by_length_compares_each_budget_with_the_reference_under_it() -> None:
+    def timed(system, tau, budget, tokens, nfe, seconds):
+        setting = Setting(system, tau, None, True, 1, True, budget)
+        return setting, [Call(seconds, [tokens], [nfe])]
+
+    rows = speedup_by_length(
         [
-            {"system": "ar_rl", "tau": float("nan"), "output_tokens": 20, "nfe": 20, "latency_s": 1.0},
-            {"system": "ar_rl", "tau": float("nan"), "output_tokens": 100, "nfe": 100, "latency_s": 5.0},
-            {"system": "rl", "tau": 0.9, "output_tokens": 20, "nfe": 10, "latency_s": 0.5},
-            {"system": "rl", "tau": 0.9, "output_tokens": 100, "nfe": 25, "latency_s": 1.25},
-            {"system": "rl", "tau": 0.9, "output_tokens": 300, "nfe": 60, "latency_s": 3.0},
-        ]
+            timed("ar_rl", None, None, 100, 100, 5.0),  # the natural budget (the decoding's own: 192)
+            timed("ar_rl", None, 64, 60, 60, 3.0),
+            timed("rl", 0.9, None, 100, 25, 1.25),
+            timed("rl", 0.9, 64, 60, 20, 1.5),
+            timed("rl", 0.9, 80, 70, 20, 1.0),  # the reference was not timed at 80
+        ],
+        natural_budget=192,
     )
-    rows = speedup_by_length(samples, edges=(32, 64, 128, 256))
-    got = {(r["system"], r["bucket"]): r for r in rows}
-    assert got[("ar_rl", "1-32")]["speedup"] == 1.0 and got[("ar_rl", "1-32")]["tau"] is None
-    assert got[("rl", "1-32")]["speedup"] == pytest.approx(2.0)
-    assert got[("rl", "65-128")]["speedup"] == pytest.approx(4.0)  # 80 vs 20 tokens/s
-    assert got[("rl", "65-128")]["tokens_per_forward"] == 4.0 and got[("rl", "65-128")]["tau"] == 0.9
-    assert got[("rl", ">256")]["speedup"] is None  # the reference never wrote that much
-    assert all(r["window"] is None for r in rows)
-    windowed = samples.assign(window=[float("nan")] * 2 + [4.0] * 3)
-    assert {r["window"] for r in speedup_by_length(windowed, (32,)) if r["system"] == "rl"} == {4}
+    got = {(r["system"], r["budget"]): r for r in rows}
+    assert got[("ar_rl", 192)]["speedup"] == 1.0 and got[("ar_rl", 64)]["speedup"] == 1.0
+    assert got[("rl", 192)]["speedup"] == pytest.approx(4.0)  # 80 vs 20 tokens/s
+    assert got[("rl", 64)]["speedup"] == pytest.approx(2.0)  # 40 vs 20 tokens/s under the same budget
+    assert got[("rl", 64)]["tokens_per_forward"] == 3.0 and got[("rl", 64)]["mean_output_tokens"] == 60
+    assert got[("rl", 80)]["speedup"] is None
+    assert [r["system"] for r in rows][:2] == ["ar_rl", "ar_rl"]  # the reference first
+
+
+def test_length_sweep_times_each_served_line_under_smaller_budgets(world) -> None:
+    tokenizer, prompts, _ = world
+    token = tokenizer.convert_tokens_to_ids("<a_3>")
+    models = {s: forced_model(tokenizer, token, block_size=4) for s in ("cft", "rl")}
+    models["ar_rl"] = forced_model(tokenizer, token)
+    points = {"rl": point(0.9, 2)}  # cft has none: its unserved line (tau 0.9) stands for it
+    config = _config(
+        prompts,
+        constrained=(True, False),
+        sweep_systems=("rl",),
+        sweep_constrained=(True,),
+        length_budgets=(3, 5),
+    )
+    lengths = plan_length_settings(plan_settings(list(models), points, config), config)
+    lines = [("ar_rl", None, None, True), ("cft", 0.9, None, False), ("rl", 0.9, 2, True)]
+    # batch 1 under the grammar only; generate, the free lines and the sweep are not in it
+    assert {
+        (s.system, s.tau, s.window, s.budget, s.operating_point, s.batch_size, s.constrained) for s in lengths
+    } == {(*line[:3], budget, line[3], 1, True) for line in lines for budget in (3, 5)}
+    grammars = world[2]
+    result = run_benchmark(
+        models,
+        prompts,
+        tokenizer,
+        RerankConfig(max_new_tokens=MAX_NEW),
+        config,
+        TickingClock(),
+        grammars,
+        operating_points=points,
+    )
+    got = {(r["system"], r["budget"]): r for r in result.length_rows}
+    assert set(got) == {(system, b) for system, *_ in lines for b in (3, 5, MAX_NEW)}  # + the natural budget
+    assert all(
+        r["mean_output_tokens"] <= r["budget"] for r in result.length_rows
+    )  # the budget caps the output
+    assert all(got[("ar_rl", b)]["speedup"] == 1.0 for b in (3, 5, MAX_NEW))
+    assert all(len(r) == len(result.length_rows[0]) for r in result.length_rows)
+    assert all(list(r) == list(BENCHMARK_KEYS) for r in result.rows)  # budgets stay out of benchmark.json
+    labels = speedup_by_length_figure(result.length_rows).axes[0].get_legend_handles_labels()[1]
+    assert labels == ["cft τ=0.9 not served", "rl τ=0.9 w2", "ar_rl (= 1)"]
 
 
 def test_speedup_by_batch_plot_and_length_samples_of_a_run(world) -> None:
@@ -328,7 +375,7 @@ def test_speedup_by_batch_plot_and_length_samples_of_a_run(world) -> None:
     )
     # batch-1 requests as served (under the grammar): ar_rl, generate, rl at its point, rl's sweep point
     assert len(result.samples) == 4 * len(prompts)
-    assert {r["system"] for r in result.length_rows} == {"ar_rl", GENERATE, "rl"}
+    assert result.length_rows == []  # no length budgets here: no length sweep
     fig = speedup_by_batch_figure(result.rows)
     labels = fig.axes[0].get_legend_handles_labels()[1]
     assert (

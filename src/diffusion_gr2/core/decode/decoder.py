@@ -340,17 +340,17 @@ def _constrain_commits(
 
     `logits` [b, m, v] and `tokens`/`logps` [b][m] are the step's choices, `cands` [b][m] the masked
     positions fed, `chosen` [b][m] those the commit rule picked before its prefix cut
-    (`_commit_mask(..., cut=False)`). Under
-    the `prefix` rule a row's commits are one run from its first candidate, walked left to right
-    through its constraint (`budgets[i]` = tokens the row may still write at position 0):
+    (`_commit_mask(..., cut=False)`). Under the `prefix` rule a row's commits are one run from its
+    first candidate, walked left to right through its constraint (`budgets[i]` = tokens the row may
+    still write at position 0):
     * a position the constraint leaves one token (`only`, with `cfg.jump_forward`) joins the run as
       certain (log-prob 0 under the constrained distribution), whatever the model's confidence;
     * any other position joins while the rule chose it. A disallowed token is replaced by the best
       allowed one where a commit is due (the run's first position, or every position when
       `must_commit`) and cuts the run elsewhere.
-    A correction is counted wherever the model's own choice was due or confident and the constraint
-    changed it, jumped positions included, so a row with none wrote only its own choices. Log-probs
-    become those of the constrained (renormalised) distribution.
+    A correction is counted wherever a committed token is not the model's own choice (a jumped
+    position included), so a row with none wrote only its own choices. Log-probs become those of the
+    constrained (renormalised) distribution.
 
     The automaton walk is plain Python per committed token; the tensor work (renormalised log-probs)
     is one batched pass over every constrained commit of the step, however long the runs are.

@@ -5,7 +5,8 @@ What is timed (DESIGN §8, issues 13 and 17), one `benchmark.json` row per setti
 * `generate`: `transformers`' `model.generate` (greedy, KV cache) on the same `ar_rl` weights
   (`generate_baseline.py`), the baseline a sceptic would reach for;
 * each diffusion system at its operating point, the (tau, window) chosen on validation and read from
-  `operating_point.json`; a system without one is skipped with a warning, never guessed;
+  `operating_point.json`; a system without one is timed at `unserved_tau` with a warning, its rows
+  not marked served (never guessed into an operating point);
 * the tau sweep of `sweep_systems` (whole-block window) at `sweep_batch_sizes`: the speed side of
   the speed/accuracy frontier.
 Every line is timed under each request's answer grammar (as served; its per-token cost is in the
@@ -23,7 +24,10 @@ Per request: every request of a call waits for the whole call, so its latency is
 p50/p95 over requests are those over calls (all calls of a setting have the same batch size). NFE
 counts the forward passes a row took part in (prefill included); tokens per forward = output tokens /
 NFE (`generate`: one forward per output token). The speed-up of parallel decoding grows with output
-length (Diffusion-GR2): `speedup_by_length` shows it per output-length bucket at batch 1, as served.
+length (Diffusion-GR2). The teacher's answers are all about as long, so the length sweep varies the
+length on purpose: each served line is timed again at batch 1 under smaller reasoning budgets
+(`length_budgets`, max_new_tokens), where the grammar closes the explanation early to fit the
+ranking; `speedup_by_length` compares each budget with the reference under the same budget.
 """
 
 from __future__ import annotations
@@ -126,7 +130,12 @@ class BenchmarkConfig:
     # Every setting is timed once per round, rounds one after another: a machine that slows down for
     # a while (shared cores, thermal limits) then slows every setting alike instead of whichever ran.
     rounds: int = 4  # 20 calls = 5 per round
-    length_buckets: tuple[int, ...] = (32, 64, 128, 256)  # upper edges of the output-length buckets
+    # The length sweep: reasoning budgets (max_new_tokens) each served line (the reference and every
+    # diffusion system at its operating point, or at `unserved_tau`) is decoded under at batch 1 under
+    # the grammar, which closes the explanation early to fit the ranking: output length varied on
+    # purpose (the teacher's answers are otherwise all ~115 tokens). The natural budget is the batch-1
+    # row itself. () = no length sweep.
+    length_budgets: tuple[int, ...] = (64, 80, 96)
     reference: str = "ar_rl"  # speed-ups are relative to this (AR) system; `generate` runs its weights
 
     @classmethod
@@ -154,10 +163,11 @@ class Setting:
     constrained: bool  # under each request's answer grammar (as served) or free
     batch_size: int
     operating_point: bool  # as served: AR rows, `generate`, a diffusion system at its chosen (tau, window)
+    budget: int | None = None  # max_new_tokens of the length sweep; None = the decoding's own
 
     @property
-    def key(self) -> tuple[str, float | None, int | None, bool, int]:
-        return self.system, self.tau, self.window, self.constrained, self.batch_size
+    def key(self) -> tuple[str, float | None, int | None, bool, int, int | None]:
+        return self.system, self.tau, self.window, self.constrained, self.batch_size, self.budget
 
 
 @dataclass(frozen=True)
@@ -250,6 +260,23 @@ def plan_settings(
     return list(settings.values())
 
 
+def plan_length_settings(settings: Sequence[Setting], config: BenchmarkConfig) -> list[Setting]:
+    """The length sweep: each system's served line at batch 1 under the grammar (its operating point,
+    or the `unserved_tau` line of a system without one; not `generate`), once per budget."""
+    lines: dict[str, Setting] = {}
+    for s in settings:
+        if s.batch_size != 1 or not s.constrained or s.system == GENERATE:
+            continue
+        unserved = (
+            config.unserved_tau is not None and s.tau == float(config.unserved_tau) and s.window is None
+        )
+        if s.operating_point and not (s.system in lines and lines[s.system].operating_point):
+            lines[s.system] = s
+        elif unserved:
+            lines.setdefault(s.system, s)
+    return [replace(s, budget=int(b)) for s in lines.values() for b in config.length_budgets]
+
+
 Runner = Callable[[list[list[int]], list[TokenConstraint] | None], list[tuple[int, int]]]
 
 
@@ -261,7 +288,10 @@ def make_runner(
     reference: str,
 ) -> tuple[Runner, torch.device]:
     """The decode call `setting` times, returning (output tokens, NFE) per row, and its device."""
-    rerank = replace(decoding, batch_size=setting.batch_size)  # one call decodes one whole batch
+    # one call decodes one whole batch; the length sweep caps the output
+    rerank = replace(
+        decoding, batch_size=setting.batch_size, max_new_tokens=setting.budget or decoding.max_new_tokens
+    )
     if setting.system == GENERATE:
         hf_model = models[reference]
         hf_cfg = decode_config_for(hf_model, tokenizer, None, rerank)
@@ -409,12 +439,14 @@ def run_benchmark(
     Constrained settings decode under `grammars` (one per prompt), as served.
     """
     settings = plan_settings(list(models), operating_points, config)
+    lengths = plan_length_settings(settings, config)
     if any(s.constrained for s in settings) and (grammars is None or len(grammars) != len(prompts)):
         raise ValueError("constrained settings need one grammar per prompt (rerank.request_grammars)")
     if config.reference not in models:
         logger.warning("reference system %s is not benchmarked: no speed-ups, no generate", config.reference)
-    runners = {s: make_runner(s, models, tokenizer, decoding, config.reference) for s in settings}
-    calls = _time_rounds(settings, runners, [list(p) for p in prompts], grammars, config, clock)
+    timed = [*settings, *lengths]
+    runners = {s: make_runner(s, models, tokenizer, decoding, config.reference) for s in timed}
+    calls = _time_rounds(timed, runners, [list(p) for p in prompts], grammars, config, clock)
     rows = add_speedups(
         [
             summarize(
@@ -429,7 +461,10 @@ def run_benchmark(
         x for s in settings if s.batch_size == 1 and s.constrained == served for x in _samples(s, calls[s])
     ]
     frame = pd.DataFrame(samples, columns=["system", "tau", "window", "output_tokens", "nfe", "latency_s"])
-    length_rows = speedup_by_length(frame, config.length_buckets, config.reference)
+    natural = [s for s in settings if any(s == replace(x, budget=None) for x in lengths)]
+    length_rows = speedup_by_length(
+        [(s, calls[s]) for s in [*natural, *lengths]], decoding.max_new_tokens, config.reference
+    )
     logger.info("decode benchmark (output tokens only)\n%s", format_table(rows))
     return BenchmarkResult(rows, frame, length_rows, {s.key: len(c) for s, c in calls.items()})
 
@@ -459,58 +494,35 @@ def benchmark_requests(
     )
 
 
-def _bucket_of(n_tokens: int, edges: Sequence[int]) -> str:
-    """`1-32`, `33-64`, ... or `>256`: the output-length bucket of `n_tokens`."""
-    low = 0
-    for high in edges:
-        if n_tokens <= high:
-            return f"{low + 1}-{high}"
-        low = high
-    return f">{low}"
-
-
-def _bucket_stats(group: pd.DataFrame) -> dict[str, Any]:
-    tokens, seconds = int(group["output_tokens"].sum()), float(group["latency_s"].sum())
-    return {
-        "n": len(group),
-        "mean_output_tokens": float(group["output_tokens"].mean()),
-        "tokens_per_forward": tokens / int(group["nfe"].sum()),
-        "output_tokens_per_s": tokens / seconds if seconds > 0 else float("nan"),
-    }
-
-
 def speedup_by_length(
-    samples: pd.DataFrame, edges: Sequence[int], reference: str = "ar_rl"
+    timed: Sequence[tuple[Setting, Sequence[Call]]], natural_budget: int, reference: str = "ar_rl"
 ) -> list[dict[str, Any]]:
-    """Per (system, tau, window, output-length bucket) of batch-1 samples: tokens per forward, speed-up.
+    """`speedup_by_length.json` rows: per line and reasoning budget, output length and speed-up.
 
-    speed-up = output tokens/s of the system in the bucket / that of `reference` in the same bucket
-    (None when the reference has no request of that length). `window` is optional in `samples`.
+    speed-up = output tokens/s of the line / that of `reference` under the same budget, same run (None
+    when the reference was not timed there). A budget of None is the decoding's own (`natural_budget`).
     """
-    frame = samples.assign(
-        bucket=[_bucket_of(int(n), edges) for n in samples["output_tokens"]],
-        tau=samples["tau"].astype("float64").fillna(-1.0),  # groupby drops NaN keys
-        window=(samples["window"] if "window" in samples else pd.Series(np.nan, index=samples.index))
-        .astype("float64")
-        .fillna(-1.0),
-    )
-    keys = ["system", "tau", "window", "bucket"]
-    stats = {key: _bucket_stats(g) for key, g in frame.groupby(keys, sort=False)}
-    ref = {b: s["output_tokens_per_s"] for (name, _, _, b), s in stats.items() if name == reference}
     rows = []
-    for (system, tau, window, bucket), s in stats.items():
-        speedup = s["output_tokens_per_s"] / ref[bucket] if bucket in ref else None
+    for setting, calls in timed:
+        tokens = sum(sum(c.output_tokens) for c in calls)
+        seconds = sum(c.latency_s for c in calls)
         rows.append(
             {
-                "system": system,
-                "tau": None if tau < 0 else float(tau),
-                "window": None if window < 0 else int(window),
-                "bucket": bucket,
-                **s,
-                "speedup": speedup,
+                "system": setting.system,
+                "tau": setting.tau,
+                "window": setting.window,
+                "operating_point": setting.operating_point,
+                "budget": setting.budget or natural_budget,
+                "n": sum(len(c.output_tokens) for c in calls),
+                "mean_output_tokens": tokens / max(sum(len(c.output_tokens) for c in calls), 1),
+                "tokens_per_forward": tokens / max(sum(sum(c.nfe) for c in calls), 1),
+                "output_tokens_per_s": tokens / seconds if seconds > 0 else float("nan"),
             }
         )
-    return sorted(rows, key=lambda r: (r["system"] != reference, r["mean_output_tokens"]))
+    ref = {r["budget"]: r["output_tokens_per_s"] for r in rows if r["system"] == reference}
+    for r in rows:
+        r["speedup"] = r["output_tokens_per_s"] / ref[r["budget"]] if r["budget"] in ref else None
+    return sorted(rows, key=lambda r: (r["system"] != reference, r["system"], r["budget"]))
 
 
 def _setting_label(row: Mapping[str, Any]) -> str:

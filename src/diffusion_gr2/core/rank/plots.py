@@ -22,6 +22,7 @@ __all__ = [
     "metric_figure",
     "own_valid_rate_figure",
     "speedup_by_batch_figure",
+    "speedup_by_length_figure",
     "training_curves_figure",
     "valid_rate_figure",
 ]
@@ -312,6 +313,37 @@ def speedup_by_batch_figure(bench_rows: Sequence[Mapping[str, Any]], reference: 
     ax.set_xlabel("batch size")
     ax.set_ylabel(f"speed-up vs {reference} (output tokens/s)")
     ax.set_title("Speed-up by batch size: operating points (dotted: no operating point, not served)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    return fig
+
+
+def speedup_by_length_figure(length_rows: Sequence[Mapping[str, Any]], reference: str = "ar_rl") -> Figure:
+    """Speed-up over `reference` against mean output length, the length varied by reasoning budget.
+
+    One line per system and setting through its budgets (`speedup_by_length.json`), batch 1 under
+    the grammar; colour = system, marker = tau; dotted = a system with no operating point (not
+    served). Each point's label is its budget (max_new_tokens).
+    """
+    fig = Figure(figsize=(7.0, 4.5), layout="constrained")
+    ax = fig.add_subplot()
+    lines: dict[tuple[str, Any, Any, bool], list[Mapping[str, Any]]] = {}
+    for row in length_rows:
+        if row["system"] != reference and row.get("speedup") is not None:
+            key = (row["system"], row["tau"], row["window"], bool(row["operating_point"]))
+            lines.setdefault(key, []).append(row)
+    for (system, tau, window, served), rows in lines.items():
+        rows = sorted(rows, key=lambda r: r["mean_output_tokens"])
+        xs, ys = [r["mean_output_tokens"] for r in rows], [r["speedup"] for r in rows]
+        label = system if tau is None else f"{system} τ={tau:g}"
+        label += ("" if window is None else f" w{window}") + ("" if served else " not served")
+        ax.plot(xs, ys, "-" if served else ":", marker=_marker(tau), label=label, color=_color(system))
+        for r, x, y in zip(rows, xs, ys, strict=True):
+            ax.annotate(str(r["budget"]), (x, y), textcoords="offset points", xytext=(3, 4), fontsize=6)
+    ax.axhline(1.0, ls=":", lw=1, color=_color(reference), label=f"{reference} (= 1)")
+    ax.set_xlabel("mean output tokens (reasoning budget = max_new_tokens, labelled)")
+    ax.set_ylabel(f"speed-up vs {reference} (output tokens/s)")
+    ax.set_title("Speed-up by output length, batch 1, under the grammar")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     return fig

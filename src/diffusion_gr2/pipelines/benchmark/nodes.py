@@ -10,7 +10,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
 from diffusion_gr2.core.rank.benchmark import BenchmarkConfig, benchmark_requests
-from diffusion_gr2.core.rank.plots import speedup_by_batch_figure
+from diffusion_gr2.core.rank.plots import speedup_by_batch_figure, speedup_by_length_figure
 from diffusion_gr2.core.rank.rerank import RerankConfig, system_key
 from diffusion_gr2.core.tracking.mlflow_utils import as_metrics_history
 
@@ -54,4 +54,5 @@ def benchmark_decoding(
         "speedup_by_length": result.length_rows,
         "benchmark_metrics": as_metrics_history(metrics),
         "batch_plot": speedup_by_batch_figure(result.rows, config.reference),
+        "length_plot": speedup_by_length_figure(result.length_rows, config.reference),
     }

@@ -32,10 +32,13 @@ def create_pipeline(systems: Sequence[str] = BENCHMARK_SYSTEMS, **kwargs) -> Pip
                     "speedup_by_length": "speedup_by_length",
                     "benchmark_metrics": "benchmark_metrics",
                     "batch_plot": "benchmark_plot_batch",
+                    "length_plot": "benchmark_plot_length",
                 },
                 name="benchmark_decoding",
             ),
-            # The run report again, now with the benchmark table and the batch-size plot.
-            report_node("write_report_with_benchmark", benchmark="benchmark"),
+            # The run report again, now with the benchmark table and the batch-size and length plots.
+            report_node(
+                "write_report_with_benchmark", benchmark="benchmark", speedup_by_length="speedup_by_length"
+            ),
         ]
     )

@@ -19,6 +19,7 @@ REPORT_FILES = {
     "sid_report": "report_sid_report",
     "retrieval_report": "report_retrieval_report",
     "benchmark": "report_benchmark",
+    "speedup_by_length": "report_speedup_by_length",
     "decode_profile": "report_decode_profile",
 }
 REPORT_OUTPUTS = {
