@@ -339,8 +339,8 @@ def _constrain_commits(
     """Each row's commits under its constraint, and the corrections per row (`tokens`/`logps` in place).
 
     `logits` [b, m, v] and `tokens`/`logps` [b][m] are the step's choices, `cands` [b][m] the masked
-    positions fed, `chosen` [b][m] those the commit rule picked before its prefix cut
-    (`_commit_mask(..., cut=False)`). Under the `prefix` rule a row's commits are one run from its
+    positions fed, `chosen` [b][m] those the commit rule picked, before its prefix cut for rows with a
+    constraint (`_commit_mask(..., cut=False)`; a row without one keeps the rule's run). Under the `prefix` rule a row's commits are one run from its
     first candidate, walked left to right through its constraint (`budgets[i]` = tokens the row may
     still write at position 0):
     * a position the constraint leaves one token (`only`, with `cfg.jump_forward`) joins the run as
@@ -367,11 +367,9 @@ def _constrain_commits(
                     continue
                 break
             due = first or must_commit
-            if constraint is None:  # nothing to check: the rule's own run
-                if not (due or row[j]):
-                    break
-                commit[j], first = True, False
-                continue
+            if constraint is None:  # nothing to check: the rule's own run (`_commit_mask` cut it)
+                commit[:] = row
+                break
             only = constraint.only(budgets[i] - j) if cfg.jump_forward else None
             if only is not None:  # certain: the one token the constraint allows
                 forced[i] += int(tokens[i][j] != only)  # the model's own choice was another token
@@ -547,7 +545,7 @@ def _run_block(
                 cand[0], conf = blk.masked[r][0], [0.0, *conf[1:]]
             cands.append(cand)
             # constrained rows make their run in the constraint walk (it may extend it)
-            cut = constraints is None
+            cut = constraints is None or constraints[r] is None
             commits.append(_commit_mask(cand, conf, cfg.threshold, fill, cfg.commit_rule, cut=cut))
         if constraints is not None:
             commits, fixes = _constrain_commits(

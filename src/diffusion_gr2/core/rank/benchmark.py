@@ -270,9 +270,7 @@ def plan_length_settings(settings: Sequence[Setting], config: BenchmarkConfig) -
         unserved = (
             config.unserved_tau is not None and s.tau == float(config.unserved_tau) and s.window is None
         )
-        if s.operating_point and not (s.system in lines and lines[s.system].operating_point):
-            lines[s.system] = s
-        elif unserved:
+        if s.operating_point or unserved:  # a system's operating-point lines come before its sweep
             lines.setdefault(s.system, s)
     return [replace(s, budget=int(b)) for s in lines.values() for b in config.length_budgets]
 
@@ -461,7 +459,8 @@ def run_benchmark(
         x for s in settings if s.batch_size == 1 and s.constrained == served for x in _samples(s, calls[s])
     ]
     frame = pd.DataFrame(samples, columns=["system", "tau", "window", "output_tokens", "nfe", "latency_s"])
-    natural = [s for s in settings if any(s == replace(x, budget=None) for x in lengths)]
+    swept = {replace(s, budget=None) for s in lengths}
+    natural = [s for s in settings if s in swept]
     length_rows = speedup_by_length(
         [(s, calls[s]) for s in [*natural, *lengths]], decoding.max_new_tokens, config.reference
     )
