@@ -47,6 +47,10 @@ def diffusion_gr2():
     def take_in_incoming():
         _run_kedro_node(node_names=["take_in_incoming"])
 
+    @task(task_id="plan-warm-start")
+    def plan_warm_start():
+        _run_kedro_node(node_names=["plan_warm_start"])
+
     @task(task_id="prepare-dataset")
     def prepare_dataset():
         _run_kedro_node(node_names=["prepare_dataset"])
@@ -129,6 +133,7 @@ def diffusion_gr2():
 
     tasks = {
         "take-in-incoming": take_in_incoming(),
+        "plan-warm-start": plan_warm_start(),
         "prepare-dataset": prepare_dataset(),
         "embed-item-texts": embed_item_texts(),
         "retrieve-candidates": retrieve_candidates(),
@@ -150,11 +155,14 @@ def diffusion_gr2():
         "register-models": register_models(),
         "run-gate": run_gate(),
     }
+    tasks["take-in-incoming"] >> tasks["plan-warm-start"]
     tasks["take-in-incoming"] >> tasks["prepare-dataset"]
     tasks["prepare-dataset"] >> tasks["embed-item-texts"]
     tasks["prepare-dataset"] >> tasks["retrieve-candidates"]
     tasks["prepare-dataset"] >> tasks["validate-splits"]
     tasks["embed-item-texts"] >> tasks["fit-item-sids"]
+    tasks["plan-warm-start"] >> tasks["fit-item-sids"]
+    tasks["prepare-dataset"] >> tasks["fit-item-sids"]
     tasks["prepare-dataset"] >> tasks["gate-requests"]
     tasks["retrieve-candidates"] >> tasks["gate-requests"]
     tasks["prepare-dataset"] >> tasks["validate-candidate-lists"]
@@ -164,6 +172,8 @@ def diffusion_gr2():
     tasks["retrieve-candidates"] >> tasks["generate-traces"]
     tasks["fit-item-sids"] >> tasks["train-tokenizer"]
     tasks["generate-traces"] >> tasks["train-tokenizer"]
+    tasks["plan-warm-start"] >> tasks["train-tokenizer"]
+    tasks["plan-warm-start"] >> tasks["build-ar-model"]
     tasks["train-tokenizer"] >> tasks["build-ar-model"]
     tasks["fit-item-sids"] >> tasks["encode-datasets"]
     tasks["generate-traces"] >> tasks["encode-datasets"]
@@ -172,23 +182,30 @@ def diffusion_gr2():
     tasks["train-tokenizer"] >> tasks["encode-datasets"]
     tasks["build-ar-model"] >> tasks["midtrain-ar-copy"]
     tasks["fit-item-sids"] >> tasks["midtrain-ar-copy"]
+    tasks["plan-warm-start"] >> tasks["midtrain-ar-copy"]
     tasks["train-tokenizer"] >> tasks["midtrain-ar-copy"]
     tasks["encode-datasets"] >> tasks["train-ar-sft"]
     tasks["midtrain-ar-copy"] >> tasks["train-ar-sft"]
+    tasks["plan-warm-start"] >> tasks["train-ar-sft"]
     tasks["train-tokenizer"] >> tasks["train-ar-sft"]
     tasks["encode-datasets"] >> tasks["train-ar-rl"]
+    tasks["plan-warm-start"] >> tasks["train-ar-rl"]
     tasks["train-ar-sft"] >> tasks["train-ar-rl"]
     tasks["train-tokenizer"] >> tasks["train-ar-rl"]
+    tasks["plan-warm-start"] >> tasks["convert-teacher"]
     tasks["train-ar-rl"] >> tasks["convert-teacher"]
     tasks["train-tokenizer"] >> tasks["convert-teacher"]
     tasks["convert-teacher"] >> tasks["train-cft"]
     tasks["encode-datasets"] >> tasks["train-cft"]
+    tasks["plan-warm-start"] >> tasks["train-cft"]
     tasks["train-tokenizer"] >> tasks["train-cft"]
     tasks["encode-datasets"] >> tasks["train-opd"]
+    tasks["plan-warm-start"] >> tasks["train-opd"]
     tasks["train-ar-rl"] >> tasks["train-opd"]
     tasks["train-cft"] >> tasks["train-opd"]
     tasks["train-tokenizer"] >> tasks["train-opd"]
     tasks["encode-datasets"] >> tasks["train-diffusion-rl"]
+    tasks["plan-warm-start"] >> tasks["train-diffusion-rl"]
     tasks["train-opd"] >> tasks["train-diffusion-rl"]
     tasks["train-tokenizer"] >> tasks["train-diffusion-rl"]
     tasks["fit-item-sids"] >> tasks["register-models"]

@@ -89,9 +89,11 @@ def raw_files(params: Any) -> dict[str, Path]:
 class NodeLineageHooks:
     """Name every node's inputs and outputs, with content hashes, on the active MLflow run (DESIGN §9).
 
-    Inputs are hashed before the node runs and outputs after Kedro saved them (``after_node_run``
-    comes before the saves); the record is written once the node's last output is saved. Raw files
-    read by ``data_prep`` (its only input is ``params:data_prep``) are named as inputs too.
+        Inputs are hashed before the node runs and outputs after Kedro saved them (``after_node_run``
+        comes before the saves); the record is written once the node's last output is saved. Raw files
+        read by ``data_prep`` (its only input is ``params:data_prep``) are named as inputs too, and so are the
+    champion folders a warm retrain's nodes read (named as their producer wrote them, so the lineage
+    walk crosses into the run that trained the champion).
     """
 
     RAW_PARAMS = ("params:data_prep",)
@@ -114,6 +116,10 @@ class NodeLineageHooks:
         for name in self.RAW_PARAMS:
             if name in inputs:
                 files |= raw_files(inputs[name])
+        if "warm_start" in inputs:  # a warm retrain's node reading the champion's folders
+            from diffusion_gr2.pipelines.retrain.warm import champion_files
+
+            files |= champion_files(node.name, inputs["warm_start"])
         params = [name for name in node.inputs if name.startswith("params:")]
         self._pending[node.name] = (input_record(node.name, files, params, self._digests), set(node.outputs))
         if not node.outputs:

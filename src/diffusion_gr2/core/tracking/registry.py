@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -37,6 +38,7 @@ __all__ = [
     "TEACHER_MODEL",
     "VersionRef",
     "alias_version",
+    "download_version",
     "promote",
     "register_reranker",
     "rollback",
@@ -141,6 +143,23 @@ def alias_version(name: str, alias: str, client: MlflowClient | None = None) -> 
     except MlflowException:
         return None
     return VersionRef(name, str(mv.version), mv.run_id)
+
+
+def download_version(ref: VersionRef, dst: str | Path) -> dict[str, Path]:
+    """Copy a version's pyfunc model into `dst` (emptied first): its artifacts by name, as local paths.
+
+    ``model`` is the model folder (weights, config, tokenizer), ``catalogue`` the folder of
+    ``items.parquet`` and ``sids.parquet``, ``serving`` the serving settings.
+    """
+    from mlflow.models import Model
+
+    dst = Path(dst)
+    if dst.exists():
+        shutil.rmtree(dst)
+    dst.mkdir(parents=True)
+    local = Path(mlflow.artifacts.download_artifacts(artifact_uri=ref.uri, dst_path=str(dst)))
+    artifacts = Model.load(str(local)).flavors["python_function"].get("artifacts") or {}
+    return {name: local / entry["path"] for name, entry in artifacts.items()}
 
 
 def promote(name: str, version: str, reason: str, client: MlflowClient | None = None) -> VersionRef:

@@ -1,4 +1,4 @@
-"""retrain: fresh files → the default DAG on the merged data → register → gate → promote or refuse.
+"""retrain: fresh files → the default DAG on the merged data (warm or cold) → register → gate → promote.
 
 `registration_pipeline` (register the trained `rl`/`ar_rl`, gate, promote) is also the pipeline
 ``register``: after a first `kedro run` it puts the models in the registry (the first passing
@@ -7,6 +7,7 @@ version becomes champion).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from importlib import import_module
 
 from kedro.pipeline import Node, Pipeline
@@ -14,6 +15,7 @@ from kedro.pipeline import Node, Pipeline
 from diffusion_gr2.pipelines import TRAINING_STAGES
 
 from .nodes import after_ingest, gate_requests, register_models, run_gate, take_in_incoming
+from .warm import plan_warm_start, warm_budget, warm_conversion, warm_sids, warm_teacher, warm_tokenizer
 
 
 def registration_pipeline() -> Pipeline:
@@ -49,34 +51,67 @@ def registration_pipeline() -> Pipeline:
     )
 
 
-def _wait_for_ingest(data_prep: Pipeline) -> Pipeline:
-    """`data_prep` with its `prepare_dataset` node taking the ingest report as an extra input."""
+# The training nodes a warm start runs under `retrain.warm_start.budgets` (keyed by their parameters).
+BUDGETED_NODES = (
+    "midtrain_ar_copy",
+    "train_ar_sft",
+    "train_ar_rl",
+    "train_cft",
+    "train_opd",
+    "train_diffusion_rl",
+)
+
+
+def _rewired(
+    pipeline: Pipeline, changes: dict[str, tuple[Callable[[Node], Callable], list[str]]]
+) -> Pipeline:
+    """`pipeline` with the named nodes' functions replaced by `wrap(node)` and `extra` inputs appended."""
     nodes = []
-    for node in data_prep.nodes:
-        if node.name == "prepare_dataset":
-            node = Node(
-                after_ingest(node.func),
-                [*node.inputs, "ingest_report"],
-                node._outputs,
-                name=node.name,
-            )
+    for node in pipeline.nodes:
+        if node.name in changes:
+            wrap, extra = changes[node.name]
+            node = Node(wrap(node), [*node.inputs, *extra], node._outputs, name=node.name, tags=node.tags)
         nodes.append(node)
     return Pipeline(nodes)
 
 
-def retrain_pipeline() -> Pipeline:
-    """Ingest, the DAG's training stages (data_prep waiting for the ingest), then registration and gate.
+def _budgeted(node: Node) -> Callable:
+    """A training node under the warm budget of its own parameters (`params:<stage>`)."""
+    at, name = next((i, n) for i, n in enumerate(node.inputs) if n.startswith("params:"))
+    return warm_budget(node.func, name.removeprefix("params:"), at)
 
-    The stages are imported here: Kedro builds only the pipelines a run asks for (``--pipelines
-    retrain`` alone), so they are not in the registry's discovered set.
+
+def retrain_pipeline() -> Pipeline:
+    """Ingest, the warm-start plan, the DAG's training stages, then registration and gate.
+
+    `data_prep` waits for the ingest; the nodes `warm.py` names take the plan (cold when it is not
+    warm). The stages are imported here: Kedro builds only the pipelines a run asks for
+    (``--pipelines retrain`` alone), so they are not in the registry's discovered set.
     """
     stages = {s: import_module(f"diffusion_gr2.pipelines.{s}").create_pipeline() for s in TRAINING_STAGES}
-    ingest = Pipeline([Node(take_in_incoming, "params:retrain", "ingest_report", name="take_in_incoming")])
-    dag = sum((stages[s] for s in TRAINING_STAGES[1:]), _wait_for_ingest(stages["data_prep"]))
-    return ingest + dag + registration_pipeline()
+    plan = ["warm_start"]
+    changes = {
+        "prepare_dataset": (lambda n: after_ingest(n.func), ["ingest_report"]),
+        "fit_item_sids": (lambda n: warm_sids(n.func), ["items", *plan]),
+        "train_tokenizer": (lambda n: warm_tokenizer(n.func), plan),
+        "build_ar_model": (lambda n: warm_teacher(n.func), plan),
+        "convert_teacher": (lambda n: warm_conversion(n.func), plan),
+        **{name: (_budgeted, plan) for name in BUDGETED_NODES},
+    }
+    dag = _rewired(sum(stages.values(), Pipeline([])), changes)
+    missing = set(changes) - {n.name for n in dag.nodes}
+    if missing:
+        raise RuntimeError(f"retrain rewires nodes the stages no longer have: {sorted(missing)}")
+    warm = Pipeline(
+        [Node(plan_warm_start, ["params:retrain", "ingest_report"], "warm_start", name="plan_warm_start")]
+    )
+    return _ingest() + warm + dag + registration_pipeline()
+
+
+def _ingest() -> Pipeline:
+    return Pipeline([Node(take_in_incoming, "params:retrain", "ingest_report", name="take_in_incoming")])
 
 
 def create_pipeline(**kwargs) -> Pipeline:
     """The ingest and registration nodes alone; the registry assembles the full retrain (it needs the stages)."""
-    ingest = Pipeline([Node(take_in_incoming, "params:retrain", "ingest_report", name="take_in_incoming")])
-    return ingest + registration_pipeline()
+    return _ingest() + registration_pipeline()

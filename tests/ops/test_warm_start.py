@@ -1,0 +1,100 @@
+"""Warm-start pieces the end-to-end retrain (tests/test_pipeline_retrain.py) does not reach."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+from transformers import PreTrainedTokenizerFast
+
+from diffusion_gr2.core.model.factory import load_model
+from diffusion_gr2.core.tracking import registry
+from diffusion_gr2.pipelines.retrain import retrain_pipeline
+from diffusion_gr2.pipelines.retrain.pipeline import BUDGETED_NODES
+from diffusion_gr2.pipelines.retrain.warm import (
+    champion_files,
+    plan_warm_start,
+    warm_budget,
+    warm_conversion,
+    warm_tokenizer,
+)
+from tests.conftest import PROJECT_ROOT
+from tests.ops.conftest import World
+
+PARAMS = {"enabled": True, "dir": "", "budgets": {"cft": {"max_steps": 3, "lr": 0.1}}}
+
+
+def plan_for(world: World, tmp_path: Path) -> dict:
+    for system, name in (("rl", registry.DIFFUSION_MODEL), ("ar_rl", registry.TEACHER_MODEL)):
+        ref = registry.register_reranker(
+            name, world.models[system], world.items, world.sids, world.config(system)
+        )
+        registry.promote(name, ref.version, "test")
+    return plan_warm_start({"warm_start": {**PARAMS, "dir": str(tmp_path / "warm")}}, {})
+
+
+def test_the_plan_is_cold_without_a_champion_or_when_disabled(
+    store: str, world: World, tmp_path: Path
+) -> None:
+    cold = plan_warm_start({"warm_start": {**PARAMS, "dir": str(tmp_path)}}, {})
+    assert (
+        cold == {"warm": False, "reason": cold["reason"]} and "no champion of diffusion-gr2" in cold["reason"]
+    )
+    assert not plan_warm_start({"warm_start": {**PARAMS, "enabled": False}}, {})["warm"]
+    warm = plan_for(world, tmp_path)
+    assert warm["warm"] and warm["budgets"] == PARAMS["budgets"]
+    # the champion's folders, byte for byte, and named for the lineage walk as their producer wrote them
+    from diffusion_gr2.core.tracking.lineage import DigestCache
+
+    digests = DigestCache()
+    assert digests.digest(warm["models"]["rl"]["model"]) == digests.digest(world.models["rl"])
+    assert champion_files("convert_teacher", warm) == {"model_rl": Path(warm["models"]["rl"]["model"])}
+    assert champion_files("train_cft", warm) == {} and champion_files("convert_teacher", cold) == {}
+
+
+def test_warm_nodes_take_the_champion_and_refuse_what_it_cannot_serve(
+    store: str, world: World, tmp_path: Path
+) -> None:
+    plan = plan_for(world, tmp_path)
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(str(world.models["ar_rl"]))
+    convert = warm_conversion(lambda *args: pytest.fail("a warm start must not convert"))
+    model = convert(None, tokenizer, {"block_size": 4}, plan)
+    champion = load_model(world.models["rl"])
+    assert all(
+        (a == b).all()
+        for a, b in zip(model.state_dict().values(), champion.state_dict().values(), strict=True)
+    )
+    with pytest.raises(ValueError, match="has block size 4 .* asks for 8"):
+        convert(None, tokenizer, {"block_size": 8}, plan)
+
+    reuse = warm_tokenizer(lambda *args: pytest.fail("a warm start must not train a tokenizer"))
+    assert reuse(None, world.sids, {}, {}, plan).get_vocab() == tokenizer.get_vocab()
+    unknown = world.sids.assign(sid=["<a_999><b_0><c_0><d_0>"] * len(world.sids))
+    with pytest.raises(ValueError, match=r"has no SID token \['<a_999>'\]"):
+        reuse(None, unknown, {}, {}, plan)
+
+
+def test_warm_budgets_replace_the_stage_settings_only_when_warm() -> None:
+    seen = []
+    node = warm_budget(lambda model, params: seen.append(params["train"]) or "trained", "cft", 1)
+    params = {"train": {"max_steps": 450, "lr": 0.003, "seed": 0}}
+    node("model", params, {"warm": True, "budgets": PARAMS["budgets"], "models": {}})
+    node("model", params, {"warm": False, "reason": "cold"})
+    assert seen == [{"max_steps": 3, "lr": 0.1, "seed": 0}, params["train"]]
+
+
+def test_every_training_node_of_the_retrain_runs_under_a_warm_budget() -> None:
+    params = {}
+    for path in (PROJECT_ROOT / "conf/base").glob("parameters_*.yml"):
+        params |= yaml.safe_load(path.read_text())
+    trained = {
+        node.name
+        for node in retrain_pipeline().nodes
+        if any(
+            n.startswith("params:") and "train" in params.get(n.removeprefix("params:"), {})
+            for n in node.inputs
+        )
+    }
+    assert trained - {"build_ar_model"} == set(BUDGETED_NODES)  # it reads the SFT settings for the model
+    assert {n.name for n in retrain_pipeline().nodes if "warm_start" in n.inputs} >= set(BUDGETED_NODES)

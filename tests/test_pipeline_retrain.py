@@ -1,0 +1,96 @@
+"""End-to-end retrains at smoke sizes: a cold one (no champion yet), then a warm one from its champion."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pandas as pd
+import yaml
+from mlflow import MlflowClient
+from transformers import PreTrainedTokenizerFast
+
+from diffusion_gr2.core.data.recbole import embedded_ml100k_folder
+from diffusion_gr2.core.tracking import registry
+from diffusion_gr2.core.tracking.lineage_report import lineage_lines
+from tests.conftest import isolated_project, run_kedro
+
+HEADER = "user_id:token\titem_id:token\trating:float\ttimestamp:float"
+
+
+def fresh_rows(n: int, offset: int) -> str:
+    """`n` ratings no user has given yet, later than every MovieLens-100k timestamp."""
+    inter = pd.read_csv(embedded_ml100k_folder() / "ml-100k.inter", sep="\t")
+    inter.columns = ["user", "item", "rating", "time"]
+    seen = set(zip(inter["user"], inter["item"], strict=True))
+    popular = inter["item"].value_counts().index[:50]
+    rows, start = [], int(inter["time"].max()) + 1000
+    for user in sorted(inter["user"].unique())[offset:]:
+        item = next(i for i in popular if (user, i) not in seen)
+        rows.append(f"{user}\t{item}\t4\t{start + len(rows)}")
+        if len(rows) == n:
+            break
+    return "\n".join([HEADER, *rows]) + "\n"
+
+
+def sid_by_raw_id(items: pd.DataFrame, sids: pd.DataFrame) -> dict[str, str]:
+    merged = items.merge(sids, on="item_id", validate="one_to_one")
+    return dict(zip(merged["raw_item_id"].astype(str), merged["sid"], strict=True))
+
+
+def read(root: Path, name: str) -> dict:
+    return json.loads((root / "data/08_reporting" / name).read_text())
+
+
+def test_a_cold_retrain_then_a_warm_one_from_its_champion(tmp_path: Path) -> None:
+    with isolated_project(tmp_path / "project") as root:
+        # the gate's absolute floors are the product's; models that learn nothing at smoke sizes
+        # cannot be held to them, and this test is about the mechanism
+        conf = root / "conf/smoke/parameters_retrain.yml"
+        params = yaml.safe_load(conf.read_text())
+        params["retrain"]["gate"] |= {"min_valid_rate": 0.0, "min_speed_ratio": 0.0, "margin": 1.0}
+        conf.write_text(yaml.safe_dump(params))
+        incoming = root / "data/01_raw/incoming"
+        incoming.mkdir(parents=True)
+
+        (incoming / "ml-100k.week1.inter").write_text(fresh_rows(20, offset=0))
+        run_kedro(root, ["retrain"])
+        plan = read(root, "retrain/warm_start.json")
+        assert not plan["warm"] and "no champion" in plan["reason"]
+        assert read(root, "training/ar_mid.json")["steps"] > 0  # cold: the full recipe, copy stage too
+        first = read(root, "retrain/gate.json")
+        assert first["decision"] == "promote" and first["champion_version"] is None
+        first_sids = pd.read_parquet(root / "data/04_feature/sids.parquet")
+        first_items = pd.read_parquet(root / "data/03_primary/items.parquet")
+
+        (incoming / "ml-100k.week2.inter").write_text(fresh_rows(20, offset=200))
+        run_kedro(root, ["retrain"])
+        plan = read(root, "retrain/warm_start.json")
+        assert plan["warm"] and plan["models"]["rl"]["version"] == first["challenger_version"]
+        budgets = params["retrain"]["warm_start"]["budgets"]
+        assert read(root, "training/ar_mid.json") == {"steps": 0, "skipped": True}
+        assert read(root, "training/ar_sft.json")["steps"] == budgets["teacher_sft"]["max_steps"]
+        assert read(root, "training/cft.json")["steps"] == budgets["cft"]["max_steps"]
+        # the champion's vocabulary: the same tokenizer, every known item keeps its SID
+        champion_tokenizer = PreTrainedTokenizerFast.from_pretrained(plan["models"]["ar_rl"]["model"])
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(str(root / "data/06_models/tokenizer"))
+        assert tokenizer.get_vocab() == champion_tokenizer.get_vocab()
+        sids = pd.read_parquet(root / "data/04_feature/sids.parquet")
+        items = pd.read_parquet(root / "data/03_primary/items.parquet")
+        before, after = sid_by_raw_id(first_items, first_sids), sid_by_raw_id(items, sids)
+        assert after and all(after[raw] == before[raw] for raw in after if raw in before)
+        assert read(root, "sid_report.json")["sid_source"] == "champion"
+
+        second = read(root, "retrain/gate.json")
+        assert second["champion_version"] == first["challenger_version"]
+        assert second["decision"] in ("promote", "refuse") and second["numbers"]
+        # lineage: the warm model's chain reaches the champion's run, and from there the raw files
+        client = MlflowClient()
+        lines = lineage_lines(
+            client, f"models:/{registry.DIFFUSION_MODEL}/{second['challenger_version']}", root
+        )
+        first_run = client.get_model_version(registry.DIFFUSION_MODEL, first["challenger_version"]).tags[
+            "lineage.model.run_id"
+        ]
+        text = "\n".join(lines)
+        assert f"run {first_run}" in text and "node convert_teacher" in text and "(raw file)" in text
