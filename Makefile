@@ -71,7 +71,8 @@ VIZ_PORT ?= 4141
 MODEL ?= models:/diffusion-gr2@champion
 
 retrain: setup
-	$(BIN)/kedro run --pipelines retrain
+	@# kedro run --pipelines retrain, unless nothing new arrived and a champion serves (--force: always)
+	$(BIN)/python -m diffusion_gr2 retrain
 
 register: setup
 	$(BIN)/kedro run --pipelines register

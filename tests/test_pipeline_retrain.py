@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pandas as pd
+import pytest
 import yaml
 from mlflow import MlflowClient
 from transformers import PreTrainedTokenizerFast
@@ -42,6 +43,7 @@ def read(root: Path, name: str) -> dict:
     return json.loads((root / "data/08_reporting" / name).read_text())
 
 
+@pytest.mark.slow
 def test_a_cold_retrain_then_a_warm_one_from_its_champion(tmp_path: Path) -> None:
     with isolated_project(tmp_path / "project") as root:
         # the gate's absolute floors are the product's; models that learn nothing at smoke sizes

@@ -4,17 +4,19 @@ python -m diffusion_gr2 lineage models:/diffusion-gr2@champion   # or a run id
 python -m diffusion_gr2 registry show
 python -m diffusion_gr2 registry promote diffusion-gr2 3
 python -m diffusion_gr2 registry rollback diffusion-gr2 [--to 2]
+python -m diffusion_gr2 retrain [--env ENV] [--force]             # what `make retrain` and cron run
 python -m diffusion_gr2 [kedro run options]                        # anything else: kedro run
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from pathlib import Path
 
-OPS_COMMANDS = ("lineage", "registry")
+OPS_COMMANDS = ("lineage", "registry", "retrain")
 
 
 def _mlflow_client():
@@ -47,7 +49,53 @@ def _parser() -> argparse.ArgumentParser:
     rollback.add_argument("name")
     rollback.add_argument("--to", default=None, help="the version to serve (default: the previous champion)")
     rollback.add_argument("--reason", default="manual rollback")
+    retrain = sub.add_parser(
+        "retrain",
+        help="kedro run --pipelines retrain, unless nothing new arrived and a champion serves",
+    )
+    retrain.add_argument("--env", default=None, help="Kedro environment (default: the project's)")
+    retrain.add_argument("--force", action="store_true", help="retrain even when nothing new arrived")
     return parser
+
+
+def retrain(env: str | None, force: bool, client) -> int:  # noqa: ANN001 (an MlflowClient)
+    """Retrain when the incoming folder holds new rows (or no champion serves yet, or `force`).
+
+    Otherwise the incoming files are still taken in (duplicates to ``done/``, bad files to
+    quarantine, under the retrain lock, report in ``ingest.json``) and nothing is trained or
+    registered: the same delivery twice changes nothing, the champion included.
+    """
+    from kedro.config import OmegaConfigLoader
+    from kedro.framework.session import KedroSession
+    from kedro.framework.startup import bootstrap_project
+
+    from diffusion_gr2.core.io import atomic_write_text
+    from diffusion_gr2.core.tracking import registry
+    from diffusion_gr2.core.tracking.ingest import IngestConfig, acquire_lock, ingest, release_lock
+
+    run_env = env or os.environ.get("KEDRO_ENV") or "local"
+    loader = OmegaConfigLoader("conf", base_env="base", default_run_env=run_env)
+    params = loader["parameters"]["retrain"]
+    config = IngestConfig(**params["ingest"])
+    pending = ingest(config, dry_run=True)
+    champion = registry.alias_version(registry.DIFFUSION_MODEL, registry.CHAMPION, client)
+    if pending["new_rows"] == 0 and champion is not None and not force:
+        acquire_lock(params["lock_file"])
+        try:
+            report = ingest(config)
+        finally:
+            release_lock(params["lock_file"])
+        atomic_write_text(Path("data/08_reporting/retrain/ingest.json"), json.dumps(report, indent=2))
+        sys.stdout.write(
+            f"nothing new in {config.incoming_dir} ({len(report['files'])} file(s): "
+            f"{report['quarantined']} quarantined, the rest already held): no retrain, "
+            f"{registry.DIFFUSION_MODEL} v{champion.version} stays champion\n"
+        )
+        return 0
+    bootstrap_project(Path.cwd())
+    with KedroSession.create(project_path=Path.cwd(), env=env) as session:
+        session.run(pipeline_names=["retrain"])
+    return 0
 
 
 def ops(argv: list[str]) -> int:
@@ -57,6 +105,8 @@ def ops(argv: list[str]) -> int:
 
     args = _parser().parse_args(argv)
     client = _mlflow_client()
+    if args.command == "retrain":
+        return retrain(args.env, args.force, client)
     if args.command == "lineage":
         sys.stdout.write("\n".join(lineage_lines(client, args.target, Path.cwd())) + "\n")
         return 0

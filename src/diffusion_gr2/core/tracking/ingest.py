@@ -97,8 +97,12 @@ def _merged_name(path: Path, digest: str) -> str:
     return f"{stem}-{digest[:8]}{dot}{ext}"
 
 
-def ingest(config: IngestConfig) -> dict[str, Any]:
-    """Validate and merge every file in the incoming folder; the report lists each file's fate."""
+def ingest(config: IngestConfig, dry_run: bool = False) -> dict[str, Any]:
+    """Validate and merge every file in the incoming folder; the report lists each file's fate.
+
+    `dry_run` judges every file the same way but moves, writes and quarantines nothing (what a
+    retrain would take in; `python -m diffusion_gr2 retrain` skips training when it is nothing).
+    """
     incoming = Path(config.incoming_dir)
     folder = _raw_folder(config)
     detected = detect_format(folder)
@@ -116,20 +120,22 @@ def ingest(config: IngestConfig) -> dict[str, Any]:
         digest = file_md5(path)
         rows, reason = _validate(path, detected.format, config)
         if reason is not None:
-            _quarantine(path, reason, config)
+            if not dry_run:
+                _quarantine(path, reason, config)
             report["files"].append(
                 {"file": path.name, "md5": digest, "status": "quarantined", "reason": reason}
             )
             continue
         header, lines = _data_lines(path, has_header)
         new = list(dict.fromkeys(line for line in lines if line not in known))
-        if new:
+        if new and not dry_run:
             body = ([header] if header is not None else []) + new
             atomic_write_text(folder / _merged_name(path, digest), "\n".join(body) + "\n")
-            known.update(new)
-        done = incoming / "done"
-        done.mkdir(exist_ok=True)
-        shutil.move(str(path), done / path.name)
+        known.update(new)
+        if not dry_run:
+            done = incoming / "done"
+            done.mkdir(exist_ok=True)
+            shutil.move(str(path), done / path.name)
         status = "merged" if new else "duplicate"
         report["files"].append(
             {"file": path.name, "md5": digest, "status": status, "rows": rows, "new_rows": len(new)}
