@@ -1,8 +1,8 @@
 """retrain: fresh files → the default DAG on the merged data (warm or cold) → register → gate → promote.
 
 `registration_pipeline` (register the trained `rl`/`ar_rl`, gate, promote) is also the pipeline
-``register``: after a first `kedro run` it puts the models in the registry (the first passing
-version becomes champion).
+``register`` (its own folder, `pipelines/register`): after a first `kedro run` it puts the models in
+the registry (the first passing version becomes champion).
 """
 
 from __future__ import annotations
@@ -113,5 +113,4 @@ def _ingest() -> Pipeline:
 
 
 def create_pipeline(**kwargs) -> Pipeline:
-    """The ingest and registration nodes alone; the registry assembles the full retrain (it needs the stages)."""
-    return _ingest() + registration_pipeline()
+    return retrain_pipeline()
