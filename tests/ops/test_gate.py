@@ -41,6 +41,8 @@ def params(tmp_path: Path) -> dict:
         "margin": 0.0,
         "min_valid_rate": 0.99,
         "min_speed_ratio": 0.0,
+        "speed_requests": 2,
+        "speed_rounds": 1,
     }
     return {"gate": gate, "lock_file": str(tmp_path / ".retrain.lock")}
 

@@ -200,8 +200,12 @@ class Ranker:
             )
         return [parse_request(i, r, self.known, self.limits) for i, r in enumerate(records)]
 
-    def rank(self, requests: Sequence[Request]) -> list[dict[str, Any]]:
-        """One answer per request: ranking (raw ids), explanation, validity, tau, forwards and latency."""
+    def rank(self, requests: Sequence[Request], batch_size: int | None = None) -> list[dict[str, Any]]:
+        """One answer per request: ranking (raw ids), explanation, validity, tau, forwards and latency.
+
+        `batch_size` overrides the decoding batch (the gate times batch 1: one request's latency).
+        """
+        decode_config = self.decode if batch_size is None else replace(self.decode, batch_size=batch_size)
         start = time.perf_counter()
         prompts = [
             encode_prompt(self.tokenizer, build_messages(r.history, r.candidates, self.lookup, self.prompt))
@@ -209,7 +213,7 @@ class Ranker:
         ]
         sid_lists = [self.lookup.sids(r.candidates) for r in requests]
         grammars = answer_grammars(self.tokenizer, sid_lists, IM_END) if self.constrained else None
-        outputs = decode_requests(self.model, prompts, self.decode, desc="serve", grammars=grammars)
+        outputs = decode_requests(self.model, prompts, decode_config, desc="serve", grammars=grammars)
         latency_ms = 1000.0 * (time.perf_counter() - start)
         answers = []
         for req, sids, out in zip(requests, sid_lists, outputs, strict=True):

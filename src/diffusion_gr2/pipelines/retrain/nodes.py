@@ -13,7 +13,7 @@ import pandas as pd
 from mlflow import MlflowClient
 
 from diffusion_gr2.core.tracking import registry
-from diffusion_gr2.core.tracking.gate import GateConfig, decide, newest_slice, score, servable
+from diffusion_gr2.core.tracking.gate import GateConfig, decide, newest_slice, score, servable, speeds
 from diffusion_gr2.core.tracking.ingest import IngestConfig, acquire_lock, ingest, release_lock
 from diffusion_gr2.core.tracking.lineage import DigestCache
 from diffusion_gr2.core.tracking.mlflow_utils import as_metrics_history
@@ -117,9 +117,10 @@ def run_gate(versions: dict[str, str], requests: pd.DataFrame, params: dict[str,
     same = servable(requests, [r for r in (challenger, champion, teacher) if r is not None])
     if same.empty:
         raise ValueError("the gate has no request every compared model can serve")
-    result = decide(
-        score(challenger, same), score(champion, same) if champion else None, score(teacher, same), config
-    )
+    compared = {"challenger": challenger, "teacher": teacher} | ({"champion": champion} if champion else {})
+    rates = speeds(compared, same, config)
+    scores = {name: score(r, same) | {"output_tokens_per_s": rates[name]} for name, r in compared.items()}
+    result = decide(scores["challenger"], scores.get("champion"), scores["teacher"], config)
     result |= {
         "challenger_version": versions["rl"],
         "teacher_version": versions["ar_rl"],
