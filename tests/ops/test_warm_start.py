@@ -25,13 +25,45 @@ from tests.ops.conftest import World
 PARAMS = {"enabled": True, "dir": "", "budgets": {"cft": {"max_steps": 3, "lr": 0.1}}}
 
 
+def register_pair(world: World) -> tuple[str, str]:
+    """A teacher version and a diffusion version tagged with it (as `register_models` does), promoted."""
+    teacher = registry.register_reranker(
+        registry.TEACHER_MODEL, world.models["ar_rl"], world.items, world.sids, world.config("ar_rl")
+    ).version
+    model = registry.register_reranker(
+        registry.DIFFUSION_MODEL,
+        world.models["rl"],
+        world.items,
+        world.sids,
+        world.config("rl"),
+        {"teacher_version": teacher},
+    ).version
+    registry.promote(registry.DIFFUSION_MODEL, model, "test")
+    registry.promote(registry.TEACHER_MODEL, teacher, "test")
+    return model, teacher
+
+
 def plan_for(world: World, tmp_path: Path) -> dict:
-    for system, name in (("rl", registry.DIFFUSION_MODEL), ("ar_rl", registry.TEACHER_MODEL)):
-        ref = registry.register_reranker(
-            name, world.models[system], world.items, world.sids, world.config(system)
-        )
-        registry.promote(name, ref.version, "test")
+    register_pair(world)
     return plan_warm_start({"warm_start": {**PARAMS, "dir": str(tmp_path / "warm")}}, {})
+
+
+def test_the_plan_takes_the_teacher_the_champion_was_trained_with(
+    store: str, world: World, tmp_path: Path
+) -> None:
+    model, teacher = register_pair(world)
+    register_pair(world)  # a newer pair, then the diffusion model alone rolled back to the first
+    registry.rollback(registry.DIFFUSION_MODEL, to_version=model)
+    plan = plan_warm_start({"warm_start": {**PARAMS, "dir": str(tmp_path / "warm")}}, {})
+    assert plan["models"]["rl"]["version"] == model and plan["models"]["ar_rl"]["version"] == teacher
+    assert registry.alias_version(registry.TEACHER_MODEL, registry.CHAMPION).version != teacher
+
+    untagged = registry.register_reranker(
+        registry.DIFFUSION_MODEL, world.models["rl"], world.items, world.sids, world.config("rl")
+    ).version
+    registry.promote(registry.DIFFUSION_MODEL, untagged, "test")
+    with pytest.raises(ValueError, match="has no teacher_version tag"):
+        plan_warm_start({"warm_start": {**PARAMS, "dir": str(tmp_path / "warm")}}, {})
 
 
 def test_the_plan_is_cold_without_a_champion_or_when_disabled(

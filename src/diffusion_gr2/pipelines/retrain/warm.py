@@ -1,7 +1,7 @@
 """Warm start of a retrain (`retrain.warm_start`, DESIGN §9): fine-tune the champion, not a new model.
 
-`plan_warm_start` copies the champion versions of both registered models (`diffusion-gr2` and its
-teacher) out of the registry and writes the plan the other nodes read. With a plan, four nodes of
+`plan_warm_start` copies the champion of `diffusion-gr2` and the teacher version it was trained with
+(its `teacher_version` tag) out of the registry and writes the plan the other nodes read. With a plan, four nodes of
 the default DAG take the champion's part instead of building their own, so the new models start
 from its weights with the vocabulary those weights were trained on:
 
@@ -34,9 +34,6 @@ from diffusion_gr2.core.tracking.mlflow_utils import as_metrics_history
 
 logger = logging.getLogger(__name__)
 
-# system -> registered model; the plan names them by system
-MODELS = {"rl": registry.DIFFUSION_MODEL, "ar_rl": registry.TEACHER_MODEL}
-
 # Nodes that read a champion folder: (system, artifact) of what they read. The lineage hook names it
 # as an input, under the dataset name its producer wrote it as, so the walk crosses into the run
 # that trained the champion.
@@ -61,13 +58,21 @@ def plan_warm_start(params: dict[str, Any], ingest_report: dict[str, Any]) -> di
     if not warm.get("enabled", False):
         return {"warm": False, "reason": "retrain.warm_start.enabled is false"}
     client = MlflowClient()
-    refs = {
-        system: registry.alias_version(name, registry.CHAMPION, client) for system, name in MODELS.items()
-    }
-    if missing := [MODELS[s] for s, ref in refs.items() if ref is None]:
-        reason = f"no champion of {', '.join(missing)} in the registry: cold start (the full recipe)"
+    champion = registry.alias_version(registry.DIFFUSION_MODEL, registry.CHAMPION, client)
+    if champion is None:
+        reason = f"no champion of {registry.DIFFUSION_MODEL} in the registry: cold start (the full recipe)"
         logger.warning("warm start: %s", reason)
         return {"warm": False, "reason": reason}
+    # The teacher trained with the champion (same tokenizer and SIDs), not whatever the teacher's own
+    # alias points at: the two aliases can part (a rollback moves one model's alias).
+    teacher = client.get_model_version(registry.DIFFUSION_MODEL, champion.version).tags.get("teacher_version")
+    if teacher is None:
+        raise ValueError(
+            f"{registry.DIFFUSION_MODEL} v{champion.version} has no teacher_version tag: the warm start "
+            "cannot tell which teacher shares its vocabulary; retrain cold (retrain.warm_start.enabled: false)"
+        )
+    teacher_ref = client.get_model_version(registry.TEACHER_MODEL, teacher)
+    refs = {"rl": champion, "ar_rl": registry.VersionRef(registry.TEACHER_MODEL, teacher, teacher_ref.run_id)}
     models = {}
     for system, ref in refs.items():
         files = registry.download_version(ref, Path(warm["dir"]) / system)
@@ -157,6 +162,12 @@ def warm_tokenizer(train: Callable[..., Any]) -> Callable[..., Any]:
         folder = _folder(plan, "train_tokenizer")
         tokenizer = PreTrainedTokenizerFast.from_pretrained(str(folder), local_files_only=True)
         vocab = tokenizer.get_vocab()
+        diffusion = Path(plan["models"]["rl"]["model"])
+        if (
+            PreTrainedTokenizerFast.from_pretrained(str(diffusion), local_files_only=True).get_vocab()
+            != vocab
+        ):
+            raise ValueError(f"the champion's tokenizers differ ({folder} against {diffusion})")
         if missing := [t for t in sid_tokens_from_sids(sids["sid"]) if t not in vocab]:
             raise ValueError(f"the champion's tokenizer ({folder}) has no SID token {missing[:5]}")
         return tokenizer
