@@ -75,9 +75,18 @@ def test_lineage_walks_from_a_registered_version_to_the_raw_file_and_flags_a_cha
     assert "params: toy.seed=1" in text and "metrics: toy.loss=0.25" in text
     assert "raw_text" in text and "(raw file)" in text and "every hash matches the disk" in text
 
+    # a later run of the pipeline rewrites the cleaned file: expected, and said so
+    run(Pipeline([Node(str.title, "raw_text", "clean_text", name="clean_again")]), catalog, "prep-again")
+    text = "\n".join(lineage_lines(client, "models:/toy@champion", tmp_path))
+    assert "superseded (now" in text.split("- clean_text")[1].splitlines()[0]
+    assert (
+        text.splitlines()[-1]
+        == "no input was edited outside the pipeline; 1 rewritten since by later runs of the pipeline"
+    )
+
     raw.write_text("three users, six items")  # the raw file changed since the model was made
     text = "\n".join(lineage_lines(client, "models:/toy@champion", tmp_path))
     assert "CHANGED on disk" in text.split("raw_text")[1].splitlines()[0]
-    assert "1 input(s) no longer match" in text
+    assert "1 input(s) no longer match" in text and "1 rewritten since" in text
     by_run = "\n".join(lineage_lines(client, second, tmp_path))
     assert "model_toy" in by_run and "clean_node" in by_run

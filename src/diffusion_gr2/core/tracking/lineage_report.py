@@ -6,7 +6,8 @@ run: every output of its nodes that no node of the run read) and follows each ha
 wrote it, using the node records `lineage.log_record` stored on the runs: first within the same
 run, then any run tagged as having produced that hash. Each node is printed with its run, git
 commit, key parameters and metrics; each input with its hash and whether the file on disk still has
-it (``CHANGED`` or ``MISSING`` otherwise). Inputs nobody produced are the raw files.
+it (``CHANGED`` or ``MISSING`` otherwise; ``superseded`` when a later run of the pipeline wrote
+what is there now, as a retrain does). Inputs nobody produced are the raw files.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ class Lineage:
     _records: dict[str, dict[str, dict[str, Any]]] = field(default_factory=dict)
     _runs: dict[str, Run] = field(default_factory=dict)
     _printed: set[tuple[str, str]] = field(default_factory=set)
+    _writers: dict[str, str | None] = field(default_factory=dict)
 
     def run(self, run_id: str) -> Run:
         if run_id not in self._runs:
@@ -97,7 +99,26 @@ class Lineage:
         now = self.digests.digest(path if path.is_absolute() else self.root / path)
         if now is None:
             return "MISSING on disk"
-        return "ok" if now == entry["digest"] else f"CHANGED on disk (now {now[:12]})"
+        if now == entry["digest"]:
+            return "ok"
+        # A later run of the pipeline rewrote the file (a retrain does): expected, unlike an edit.
+        writer = self.writer(now)
+        if writer is not None:
+            return f"superseded (now {now[:12]}, written by run {writer[:12]})"
+        return f"CHANGED on disk (now {now[:12]})"
+
+    def writer(self, digest: str) -> str | None:
+        """The newest run tagged as having produced `digest`, or None."""
+        if digest not in self._writers:
+            experiments = [e.experiment_id for e in self.client.search_experiments()]
+            runs = self.client.search_runs(
+                experiments,
+                f"tags.`{PRODUCED_TAG}{digest}` != ''",
+                order_by=["attributes.start_time DESC"],
+                max_results=1,
+            )
+            self._writers[digest] = runs[0].info.run_id if runs else None
+        return self._writers[digest]
 
 
 def _short(digest: str | None) -> str:
@@ -202,7 +223,12 @@ def lineage_lines(client: MlflowClient, target: str, root: Path | None = None) -
     for name, entry in sorted(start.items()):
         lines += list(walk(lineage, name, entry, run_id, 0))
     changed = sum("CHANGED" in line or "MISSING" in line for line in lines)
-    lines.append(
-        f"{changed} input(s) no longer match the file on disk" if changed else "every hash matches the disk"
-    )
+    superseded = sum("superseded (now" in line for line in lines)
+    later = f"{superseded} rewritten since by later runs of the pipeline" if superseded else ""
+    if changed:
+        lines.append(f"{changed} input(s) no longer match the file on disk" + (f"; {later}" if later else ""))
+    else:
+        lines.append(
+            f"no input was edited outside the pipeline; {later}" if later else "every hash matches the disk"
+        )
     return lines
