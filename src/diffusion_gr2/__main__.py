@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 OPS_COMMANDS = ("lineage", "registry", "retrain")
+REPORT_WITHOUT_RETRAIN = Path("data/08_reporting/retrain/ingest_without_retrain.json")
 
 
 def _mlflow_client():
@@ -62,7 +63,8 @@ def retrain(env: str | None, force: bool, client) -> int:  # noqa: ANN001 (an Ml
     """Retrain when the incoming folder holds new rows (or no champion serves yet, or `force`).
 
     Otherwise the incoming files are still taken in (duplicates to ``done/``, bad files to
-    quarantine, under the retrain lock, report in ``ingest.json``) and nothing is trained or
+    quarantine, under the retrain lock; the report in ``ingest_without_retrain.json``, so the last
+    retrain's ``ingest.json``, an input on its lineage record, stays as it was) and nothing is trained or
     registered: the same delivery twice changes nothing, the champion included.
     """
     from kedro.config import OmegaConfigLoader
@@ -85,7 +87,7 @@ def retrain(env: str | None, force: bool, client) -> int:  # noqa: ANN001 (an Ml
             report = ingest(config)
         finally:
             release_lock(params["lock_file"])
-        atomic_write_text(Path("data/08_reporting/retrain/ingest.json"), json.dumps(report, indent=2))
+        atomic_write_text(REPORT_WITHOUT_RETRAIN, json.dumps(report, indent=2))
         sys.stdout.write(
             f"nothing new in {config.incoming_dir} ({len(report['files'])} file(s): "
             f"{report['quarantined']} quarantined, the rest already held): no retrain, "

@@ -76,7 +76,8 @@ def test_the_same_delivery_again_trains_and_registers_nothing(
     assert runs == []
     assert "no retrain, diffusion-gr2 v1 stays champion" in capsys.readouterr().out
     assert versions() == ["1"]
-    report = json.loads((project / "data/08_reporting/retrain/ingest.json").read_text())
+    report = json.loads((project / "data/08_reporting/retrain/ingest_without_retrain.json").read_text())
+    assert not (project / "data/08_reporting/retrain/ingest.json").exists()  # the last retrain's, untouched
     assert [f["status"] for f in report["files"]] == ["duplicate", "quarantined"]
     assert (incoming / "done/ml-100k.again.inter").exists()
     assert (project / "data/01_raw/quarantine/ml-100k.broken.inter").exists()
