@@ -132,6 +132,12 @@ def _prefixes(record: dict[str, Any]) -> list[str]:
 def _key_params(run: Run, record: dict[str, Any]) -> list[str]:
     prefixes = _prefixes(record)
     own = sorted(k for k in run.data.params if any(k.startswith(p) for p in prefixes))
+    # a warm retrain logs what it applied as `<stage>.warm_start.train.*`: that replaces `<stage>.train.*`
+    own = [
+        k
+        for k in own
+        if k.replace(".train.", ".warm_start.train.", 1) not in run.data.params or ".warm_start." in k
+    ]
     key = [k for k in own if any(w in k.rsplit(".", 1)[-1] for w in KEY_PARAM_WORDS)] or own
     return [f"{k}={run.data.params[k]}" for k in key[:MAX_PARAMS]]
 
