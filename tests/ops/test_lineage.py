@@ -90,3 +90,14 @@ def test_lineage_walks_from_a_registered_version_to_the_raw_file_and_flags_a_cha
     assert "1 input(s) no longer match" in text and "1 rewritten since" in text
     by_run = "\n".join(lineage_lines(client, second, tmp_path))
     assert "model_toy" in by_run and "clean_node" in by_run
+
+
+def test_a_warm_retrain_shows_the_settings_it_applied() -> None:
+    from types import SimpleNamespace
+
+    from diffusion_gr2.core.tracking.lineage_report import _key_params
+
+    params = {"cft.train.max_steps": "450", "cft.train.seed": "0", "cft.warm_start.train.max_steps": "120"}
+    run = SimpleNamespace(data=SimpleNamespace(params=params))
+    shown = _key_params(run, {"params": ["params:cft"]})
+    assert shown == ["cft.train.seed=0", "cft.warm_start.train.max_steps=120"]

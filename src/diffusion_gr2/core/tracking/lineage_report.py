@@ -133,11 +133,8 @@ def _key_params(run: Run, record: dict[str, Any]) -> list[str]:
     prefixes = _prefixes(record)
     own = sorted(k for k in run.data.params if any(k.startswith(p) for p in prefixes))
     # a warm retrain logs what it applied as `<stage>.warm_start.train.*`: that replaces `<stage>.train.*`
-    own = [
-        k
-        for k in own
-        if k.replace(".train.", ".warm_start.train.", 1) not in run.data.params or ".warm_start." in k
-    ]
+    applied = {k.replace(".warm_start.train.", ".train.", 1) for k in own if ".warm_start.train." in k}
+    own = [k for k in own if k not in applied]
     key = [k for k in own if any(w in k.rsplit(".", 1)[-1] for w in KEY_PARAM_WORDS)] or own
     return [f"{k}={run.data.params[k]}" for k in key[:MAX_PARAMS]]
 
