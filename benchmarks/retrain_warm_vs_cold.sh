@@ -49,9 +49,8 @@ if ! "$PY" -m diffusion_gr2 registry show diffusion-gr2 | grep -q champion; then
   "$PY" -m diffusion_gr2 registry promote diffusion-gr2 "$version" --reason "first champion (benchmark)"
   "$PY" -m diffusion_gr2 registry promote diffusion-gr2-teacher "$teacher" --reason "first champion (benchmark)"
 fi
-tar cf "$OUT/champion-state.tar" data mlflow.db mlruns
-
 mkdir -p data/01_raw/incoming
+tar cf "$OUT/champion-state.tar" data mlflow.db mlruns
 
 collect() {
   mkdir -p "$OUT/$1"
