@@ -1,6 +1,6 @@
 """How much the prompt says beyond the retriever's order: R@1 of a feature ranker against the pre-rank.
 
-    .venv/bin/python benchmarks/feature_ceiling.py [--c 0.1 1 10]
+    .venv/bin/python benchmarks/feature_ceiling.py [--c 0.1 1 10] [--w-position 0.5 1.5 2.5 3.5]
 
 Fits a logistic ranker on the training requests. Each candidate's input is the rule-based teacher's
 features (`core/text/traces.py`: category overlap, brand, recency, popularity, position) plus a one-hot
@@ -8,6 +8,11 @@ of its retriever position. The ranker then puts each request's highest-scoring c
 every split. Where this ranker barely beats the pre-rank, the prompts carry little signal beyond the
 retriever, and a re-ranker trained from scratch on them cannot be expected to beat it either: only a
 model with knowledge of its own (a pretrained checkpoint) can. Reads the outputs of `make run` (data/).
+
+It also scores the rule-based teacher itself, without noise, at each `--w-position` (the weight of the
+retriever's order): its R@1, how often its top pick differs from the retriever's, how often such a
+change is right, and how often the demoted item was (choose on `train`, the requests the traces
+come from; `valid` is small).
 """
 
 from __future__ import annotations
@@ -49,6 +54,21 @@ def split_features(
     return np.vstack(rows), np.array(labels), np.array(groups), prerank
 
 
+def teacher_line(teacher: RuleBasedAnalyst, candidates: pd.DataFrame, split: str) -> str:
+    """The noiseless teacher's pick against the retriever's first item, on one split's requests."""
+    examples = [
+        e for e in examples_from_frame(candidates[candidates["split"] == split]) if e.target in e.candidates
+    ]
+    picks = [e.candidates[int(np.argmax(teacher.scores(e)[1]))] for e in examples]
+    right = np.array([p == e.target for p, e in zip(picks, examples, strict=True)])
+    first_right = np.array([e.candidates[0] == e.target for e in examples])
+    changed = np.array([p != e.candidates[0] for p, e in zip(picks, examples, strict=True)])
+    return (
+        f"{right.mean():11.3f} {first_right.mean():8.3f} {changed.mean():7.2f} "
+        f"{right[changed].mean():12.3f} {first_right[changed].mean():13.3f}"
+    )
+
+
 def recall_at_1(scores: np.ndarray, labels: np.ndarray, groups: np.ndarray) -> float:
     """Share of requests whose highest-scoring candidate is the target."""
     return float(np.mean([labels[groups == g][np.argmax(scores[groups == g])] for g in np.unique(groups)]))
@@ -57,6 +77,7 @@ def recall_at_1(scores: np.ndarray, labels: np.ndarray, groups: np.ndarray) -> f
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--c", type=float, nargs="+", default=[0.1, 1.0, 10.0], help="inverse L2 strengths")
+    parser.add_argument("--w-position", type=float, nargs="*", default=[0.5, 1.5, 2.5, 3.5])
     parser.add_argument("--data", type=Path, default=ROOT / "data")
     parser.add_argument("--params", type=Path, default=ROOT / "conf/base/parameters_traces.yml")
     args = parser.parse_args()
@@ -73,6 +94,18 @@ def main() -> None:
         AnalystConfig(**params["analyst"]),
         prompt,
     )
+    print(
+        f"{'w_pos':>6s} {'split':6s} {'teacher R@1':>11s} {'pre-rank':>8s} {'changed':>7s} {'change right':>12s} {'demoted right':>13s}"
+    )
+    for w in args.w_position:
+        teacher = RuleBasedAnalyst(
+            analyst.lookup,
+            analyst.popularity,
+            AnalystConfig(**{**params["analyst"], "w_position": w}),
+            prompt,
+        )
+        for split in ("train", "valid", "test"):
+            print(f"{w:6g} {split:6s} " + teacher_line(teacher, candidates, split))
     data = {split: split_features(analyst, candidates, split) for split in ("train", "valid", "test")}
     x_train, y_train, _, _ = data["train"]
     print(f"{'C':>6s} {'split':6s} {'ranker R@1':>10s} {'pre-rank R@1':>12s} {'requests':>8s}")
