@@ -59,6 +59,10 @@ def test_gate_promotes_a_passing_challenger_and_refuses_a_worse_one(
     same = {"rl": register(world, "rl"), "ar_rl": register(world, "ar_rl")}  # as good as the champion
     report = run_gate(same, requests(world), params(tmp_path))["gate_report"]
     assert report["decision"] == "promote" and report["numbers"]["recall@1_vs_champion"] == 0.0
+    # the same weights answer alike: the paired interval is the point itself
+    assert (
+        report["numbers"]["recall@1_vs_champion.low"] == report["numbers"]["recall@1_vs_champion.high"] == 0.0
+    )
     assert report["champion_version"] == first["rl"]
     assert registry.alias_version(registry.DIFFUSION_MODEL, registry.CHAMPION).version == same["rl"]
 
@@ -118,3 +122,15 @@ def test_newest_slice_dates_each_test_point_by_its_own_time() -> None:
     rows = newest_slice(candidates, splits, items, GateConfig(slice_share=0.5))
     assert rows["request_id"].tolist() == ["user-0-point-1", "user-1-point-1"]
     assert rows["timestamp"].tolist() == [40, 30] and rows["target"].tolist() == ["i2", "i5"]
+
+
+def test_the_champion_comparison_gets_a_paired_interval_over_users() -> None:
+    base = {"n": 8.0, "valid_rate": 1.0, "unforced_rate": 1.0, "output_tokens_per_s": 100.0}
+    challenger = {**base, "hits": [1.0, 1.0, 1.0, 0.0, 1.0, 0.0, 1.0, 1.0], "recall@1": 0.75}
+    champion = {**base, "hits": [1.0, 0.0, 1.0, 0.0, 0.0, 0.0, 1.0, 1.0], "recall@1": 0.5}
+    users = [0, 0, 1, 1, 2, 2, 3, 3]
+    numbers = decide(challenger, champion, {**base, "recall@1": 0.5}, GateConfig(), users)["numbers"]
+    assert numbers["recall@1_vs_champion"] == 0.25
+    assert 0.0 <= numbers["recall@1_vs_champion.low"] < 0.25 < numbers["recall@1_vs_champion.high"] <= 0.5
+    report = decide(challenger, champion, {**base, "recall@1": 0.5}, GateConfig(), users)
+    assert "hits" not in report["challenger_metrics"]  # per-request lists stay out of the report

@@ -28,6 +28,7 @@ from mlflow.models import MetricThreshold
 from mlflow.models.evaluation import EvaluationResult
 from mlflow.models.evaluation.validation import ModelValidationFailedException
 
+from diffusion_gr2.core.rank.metrics import paired_bootstrap
 from diffusion_gr2.core.tracking.serving import Ranker, RequestError, parse_request
 
 logger = logging.getLogger(__name__)
@@ -52,7 +53,8 @@ class GateConfig:
 def newest_slice(
     candidates: pd.DataFrame, splits: pd.DataFrame, items: pd.DataFrame, config: GateConfig
 ) -> pd.DataFrame:
-    """Test requests with the newest targets, in raw ids: ``request_id, history, candidates, target, timestamp``."""
+    """Test requests with the newest targets, in raw ids: ``request_id, history, candidates, target,
+    timestamp, user``."""
     raw_of = dict(zip(items["item_id"].astype(int), items["raw_item_id"].astype(str), strict=True))
     test = candidates[candidates["split"] == "test"].merge(
         splits[["user_id", "test_timestamps"]], on="user_id"
@@ -73,6 +75,7 @@ def newest_slice(
             "candidates": [[raw_of[int(i)] for i in c] for c in rows["candidates"]],
             "target": [raw_of[int(t)] for t in rows["target"]],
             "timestamp": rows["test_timestamp"].astype("int64").to_numpy(),
+            "user": rows["user_id"].astype("int64").to_numpy(),  # paired intervals resample users
         }
     ).reset_index(drop=True)
 
@@ -104,10 +107,11 @@ def score(ranker: Ranker, requests: pd.DataFrame) -> dict[str, float]:
     """R@1 and served and unforced valid rates of `ranker` on `requests` (as served: its own batching)."""
     records = requests.to_dict("records")
     answers = _answers(ranker, records)
-    hits = [a["ranking"][0] == r["target"] for a, r in zip(answers, records, strict=True)]
+    hits = [float(a["ranking"][0] == r["target"]) for a, r in zip(answers, records, strict=True)]
     n = max(len(answers), 1)
     return {
         "n": float(len(answers)),
+        "hits": hits,  # per request, for the paired interval against the champion
         "recall@1": sum(hits) / n,
         "valid_rate": sum(a["valid"] for a in answers) / n,
         "unforced_rate": sum(a["unforced"] for a in answers) / n,
@@ -130,16 +134,31 @@ def speeds(rankers: dict[str, Ranker], requests: pd.DataFrame, config: GateConfi
 
 
 def decide(
-    challenger: dict[str, float],
-    champion: dict[str, float] | None,
-    teacher: dict[str, float],
+    challenger: dict[str, Any],
+    champion: dict[str, Any] | None,
+    teacher: dict[str, Any],
     config: GateConfig,
+    users: Sequence[Any] | None = None,
 ) -> dict[str, Any]:
-    """Promote or refuse, with every number and, on refusal, MLflow's reasons."""
+    """Promote or refuse, with every number and, on refusal, MLflow's reasons.
+
+    With per-request ``hits`` on both sides, the challenger's R@1 minus the champion's gets a paired
+    bootstrap interval (whole `users` resampled): the margin applies to the point estimate, the
+    interval says how far a few hundred requests can be trusted.
+    """
+    paired = None
+    if champion is not None and "hits" in challenger and "hits" in champion:
+        paired = paired_bootstrap(challenger["hits"], champion["hits"], groups=users)
+    challenger, champion, teacher = (
+        None if m is None else {k: v for k, v in m.items() if k != "hits"}
+        for m in (challenger, champion, teacher)
+    )
     numbers = {
         "challenger.recall@1": challenger["recall@1"],
         "champion.recall@1": champion["recall@1"] if champion else None,
         "recall@1_vs_champion": challenger["recall@1"] - champion["recall@1"] if champion else 0.0,
+        "recall@1_vs_champion.low": paired.low if paired else None,
+        "recall@1_vs_champion.high": paired.high if paired else None,
         "valid_rate": challenger["valid_rate"],
         "unforced_rate": challenger["unforced_rate"],
         "speed_ratio_vs_ar_rl": challenger["output_tokens_per_s"] / max(teacher["output_tokens_per_s"], 1e-9),

@@ -120,7 +120,8 @@ def run_gate(versions: dict[str, str], requests: pd.DataFrame, params: dict[str,
     compared = {"challenger": challenger, "teacher": teacher} | ({"champion": champion} if champion else {})
     rates = speeds(compared, same, config)
     scores = {name: score(r, same) | {"output_tokens_per_s": rates[name]} for name, r in compared.items()}
-    result = decide(scores["challenger"], scores.get("champion"), scores["teacher"], config)
+    users = same["user"].tolist() if "user" in same else None
+    result = decide(scores["challenger"], scores.get("champion"), scores["teacher"], config, users)
     result |= {
         "challenger_version": versions["rl"],
         "teacher_version": versions["ar_rl"],
