@@ -63,9 +63,13 @@ def teacher_line(teacher: RuleBasedAnalyst, candidates: pd.DataFrame, split: str
     right = np.array([p == e.target for p, e in zip(picks, examples, strict=True)])
     first_right = np.array([e.candidates[0] == e.target for e in examples])
     changed = np.array([p != e.candidates[0] for p, e in zip(picks, examples, strict=True)])
+
+    def among_changed(hit: np.ndarray) -> float:  # nan when the teacher never leaves the retriever
+        return float(hit[changed].mean()) if changed.any() else float("nan")
+
     return (
         f"{right.mean():11.3f} {first_right.mean():8.3f} {changed.mean():7.2f} "
-        f"{right[changed].mean():12.3f} {first_right[changed].mean():13.3f}"
+        f"{among_changed(right):12.3f} {among_changed(first_right):13.3f}"
     )
 
 

@@ -154,9 +154,21 @@ def test_feature_ceiling_script_reports_every_split(dag_run: Path) -> None:
             str(dag_run / "data"),
             "--params",
             str(dag_run / "conf/smoke/parameters_traces.yml"),
+            "--w-position",
+            "0.5",
+            "2.5",
         ),
     )
-    assert {line.split()[1] for line in out.splitlines()[1:]} == {"train", "valid", "test"}
+    lines = out.splitlines()
+    headers = [i for i, line in enumerate(lines) if line.split()[1] == "split"]
+    teacher, ranker = lines[headers[0] + 1 : headers[1]], lines[headers[1] + 1 :]
+    assert len(headers) == 2 and len(teacher) == 6  # the noiseless teacher per weight, then the ranker
+    assert (
+        {line.split()[1] for line in teacher}
+        == {line.split()[1] for line in ranker}
+        == {"train", "valid", "test"}
+    )
+    assert all(v == "nan" or 0.0 <= float(v) <= 1.0 for line in teacher for v in line.split()[2:])
 
 
 def test_decode_profile_and_variants_scripts_run_on_the_trained_models(dag_run: Path, tmp_path: Path) -> None:
