@@ -74,9 +74,10 @@ def retrain(env: str | None, force: bool, client) -> int:  # noqa: ANN001 (an Ml
     from diffusion_gr2.core.io import atomic_write_text
     from diffusion_gr2.core.tracking import registry
     from diffusion_gr2.core.tracking.ingest import IngestConfig, acquire_lock, ingest, release_lock
+    from diffusion_gr2.settings import CONFIG_LOADER_ARGS
 
-    run_env = env or os.environ.get("KEDRO_ENV") or "local"
-    loader = OmegaConfigLoader("conf", base_env="base", default_run_env=run_env)
+    # the project's own loader settings (base/local, the `env` resolver), as the Kedro session uses
+    loader = OmegaConfigLoader("conf", env=env or os.environ.get("KEDRO_ENV"), **CONFIG_LOADER_ARGS)
     params = loader["parameters"]["retrain"]
     config = IngestConfig(**params["ingest"])
     pending = ingest(config, dry_run=True)

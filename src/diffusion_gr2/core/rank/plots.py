@@ -57,12 +57,16 @@ def _tau_name(tau: float | None, window: int | None = None) -> str:
     return name + ("" if window is None else f" w{window}")
 
 
+def _setting_label(system: str, tau: float | None, window: int | None, sep: str = " ") -> str:
+    """`cft τ=0.9` (` w4` for a decoding window), or the bare system name when it has no threshold."""
+    if tau is None:
+        return str(system)
+    return f"{system}{sep}τ={tau:g}" + ("" if window is None else f" w{window}")
+
+
 def _label(row: Mapping[str, Any]) -> str:
-    """`cft\\nτ=0.9` (`w4` for a decoding window), or the bare system name when it has no threshold."""
-    if row.get("tau") is None:
-        return str(row["system"])
-    window = "" if row.get("window") is None else f" w{row['window']}"
-    return f"{row['system']}\nτ={row['tau']:g}{window}"
+    """A stage row's tick label: the setting on two lines (`cft` over `τ=0.9 w4`)."""
+    return _setting_label(row["system"], row.get("tau"), row.get("window"), sep="\n")
 
 
 def _color(system: str) -> str:
@@ -301,21 +305,30 @@ def speedup_by_batch_figure(bench_rows: Sequence[Mapping[str, Any]], reference: 
         if unserved and (float(tau), -1 if window is None else int(window)) != widest[system][1:]:
             continue
         points.sort()
-        label = system if tau is None else f"{system} τ={tau:g}"
-        label += ("" if window is None else f" w{window}") + (" (grammar)" if constrained else " (free)")
+        label = _setting_label(system, tau, window) + (" (grammar)" if constrained else " (free)")
         label += " not served" if unserved else ""
         style = ":" if unserved else "-" if constrained else "--"
         ax.plot(*zip(*points, strict=True), style, marker="o", label=label, color=_color(system))
-    ax.axhline(1.0, ls=":", lw=1, color=_color(reference), label=f"{reference} (= 1)")
     ax.set_xscale("log", base=2)
     sizes = sorted({int(r["batch_size"]) for r in bench_rows})
     ax.set_xticks(sizes, [str(b) for b in sizes])
-    ax.set_xlabel("batch size")
+    _finish_speedup_axes(
+        ax,
+        reference,
+        "batch size",
+        "Speed-up by batch size: operating points (dotted: no operating point, not served)",
+    )
+    return fig
+
+
+def _finish_speedup_axes(ax: Any, reference: str, xlabel: str, title: str) -> None:
+    """The reference line at 1, labels, grid and legend of a speed-up figure."""
+    ax.axhline(1.0, ls=":", lw=1, color=_color(reference), label=f"{reference} (= 1)")
+    ax.set_xlabel(xlabel)
     ax.set_ylabel(f"speed-up vs {reference} (output tokens/s)")
-    ax.set_title("Speed-up by batch size: operating points (dotted: no operating point, not served)")
+    ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
-    return fig
 
 
 def speedup_by_length_figure(length_rows: Sequence[Mapping[str, Any]], reference: str = "ar_rl") -> Figure:
@@ -335,15 +348,14 @@ def speedup_by_length_figure(length_rows: Sequence[Mapping[str, Any]], reference
     for (system, tau, window, served), rows in lines.items():
         rows = sorted(rows, key=lambda r: r["mean_output_tokens"])
         xs, ys = [r["mean_output_tokens"] for r in rows], [r["speedup"] for r in rows]
-        label = system if tau is None else f"{system} τ={tau:g}"
-        label += ("" if window is None else f" w{window}") + ("" if served else " not served")
+        label = _setting_label(system, tau, window) + ("" if served else " not served")
         ax.plot(xs, ys, "-" if served else ":", marker=_marker(tau), label=label, color=_color(system))
         for r, x, y in zip(rows, xs, ys, strict=True):
             ax.annotate(str(r["budget"]), (x, y), textcoords="offset points", xytext=(3, 4), fontsize=6)
-    ax.axhline(1.0, ls=":", lw=1, color=_color(reference), label=f"{reference} (= 1)")
-    ax.set_xlabel("mean output tokens (reasoning budget = max_new_tokens, labelled)")
-    ax.set_ylabel(f"speed-up vs {reference} (output tokens/s)")
-    ax.set_title("Speed-up by output length, batch 1, under the grammar")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
+    _finish_speedup_axes(
+        ax,
+        reference,
+        "mean output tokens (reasoning budget = max_new_tokens, labelled)",
+        "Speed-up by output length, batch 1, under the grammar",
+    )
     return fig

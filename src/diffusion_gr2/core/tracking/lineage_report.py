@@ -52,6 +52,13 @@ class Lineage:
     _runs: dict[str, Run] = field(default_factory=dict)
     _printed: set[tuple[str, str]] = field(default_factory=set)
     _writers: dict[str, str | None] = field(default_factory=dict)
+    _experiments: list[str] | None = None
+
+    def experiments(self) -> list[str]:
+        """Every experiment id of the store, looked up once per walk."""
+        if self._experiments is None:
+            self._experiments = [e.experiment_id for e in self.client.search_experiments()]
+        return self._experiments
 
     def run(self, run_id: str) -> Run:
         if run_id not in self._runs:
@@ -82,8 +89,9 @@ class Lineage:
         """
         candidates = [prefer_run] if prefer_run else []
         tag = f"tags.`{PRODUCED_TAG}{digest}`"
-        experiments = [e.experiment_id for e in self.client.search_experiments()]
-        runs = self.client.search_runs(experiments, f"{tag} != ''", order_by=["attributes.start_time DESC"])
+        runs = self.client.search_runs(
+            self.experiments(), f"{tag} != ''", order_by=["attributes.start_time DESC"]
+        )
         candidates += [r.info.run_id for r in runs]
         for run_id in candidates:
             for record in self.records(run_id).values():
@@ -110,9 +118,8 @@ class Lineage:
     def writer(self, digest: str) -> str | None:
         """The newest run tagged as having produced `digest`, or None."""
         if digest not in self._writers:
-            experiments = [e.experiment_id for e in self.client.search_experiments()]
             runs = self.client.search_runs(
-                experiments,
+                self.experiments(),
                 f"tags.`{PRODUCED_TAG}{digest}` != ''",
                 order_by=["attributes.start_time DESC"],
                 max_results=1,

@@ -96,7 +96,7 @@ def champion_files(node_name: str, plan: dict[str, Any] | None) -> dict[str, Pat
         return {}
     system, artifact = CHAMPION_INPUTS[node_name]
     name = f"model_{system}" if artifact == "model" else f"champion_{artifact}"
-    return {name: Path(plan["models"][system][artifact])}
+    return {name: _folder(plan, node_name)}
 
 
 def _folder(plan: dict[str, Any], node_name: str) -> Path:
