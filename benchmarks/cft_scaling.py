@@ -1,6 +1,7 @@
 """What more conversion fine-tuning buys: own valid rate, R@1 and tokens per forward against CFT steps.
 
-    .venv/bin/python benchmarks/cft_scaling.py --steps 600 2000 [--device cuda] [--taus 0.9 0.4] [--save DIR]
+    .venv/bin/python benchmarks/cft_scaling.py --steps 600 2000 [--noise complementary suffix]
+        [--device cuda] [--taus 0.9 0.4] [--save DIR]
 
 Each step count is its own CFT run from `data/06_models/naive` with the `cft` parameters of
 `conf/base/parameters_training.yml` (so its learning-rate schedule is the one a user would get by
@@ -14,6 +15,7 @@ minutes). `--save DIR` keeps each model as `DIR/cft<steps>` (time it with saved_
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import tempfile
 import time
@@ -27,6 +29,7 @@ from transformers import AutoTokenizer
 from diffusion_gr2.core.model.factory import load_model, save_model
 from diffusion_gr2.core.rank.rerank import RerankConfig, rerank_system, select_requests, stage_metrics
 from diffusion_gr2.core.train.loop import TrainConfig, train
+from diffusion_gr2.core.train.losses import NOISE_PATTERNS
 from diffusion_gr2.core.train.stages import (
     SupervisedConfig,
     example_batches,
@@ -48,6 +51,15 @@ def main() -> None:
     parser.add_argument("--data", type=Path, default=ROOT / "data/05_model_input")
     parser.add_argument("--params", type=Path, default=ROOT / "conf/base/parameters_training.yml")
     parser.add_argument("--lr", type=float, default=None, help="overrides cft.train.lr")
+    parser.add_argument(
+        "--noise", nargs="+", default=None, choices=NOISE_PATTERNS, help="CFT canvases (default: the params')"
+    )
+    parser.add_argument(
+        "--lambda-r",
+        type=float,
+        default=None,
+        help="overrides cft.supervised.lambda_r (reasoning tokens' weight)",
+    )
     parser.add_argument("--save", type=Path, default=None)
     parser.add_argument("--out", type=Path, default=Path("cft_scaling.json"))
     args = parser.parse_args()
@@ -58,9 +70,13 @@ def main() -> None:
     requests = select_requests(pd.read_parquet(args.data / "requests.parquet"), args.split, args.max_users)
     decoding = RerankConfig(max_new_tokens=192, device=args.device)
     results = []
-    for steps in args.steps:
+    noises = args.noise or [params["supervised"].get("noise", "complementary")]
+    for steps, noise in itertools.product(args.steps, noises):
         model = load_model(args.models / "naive")
-        config = SupervisedConfig(**params["supervised"], block_size=policy_block_size(model))
+        supervised = params["supervised"] | {"noise": noise}
+        if args.lambda_r is not None:
+            supervised["lambda_r"] = args.lambda_r
+        config = SupervisedConfig(**supervised, block_size=policy_block_size(model))
         make_batch = example_batches(examples, tokenizer.pad_token_id, config)
         loss_fn = supervised_loss(config, tokenizer.mask_token_id)
         train_params = {**params["train"], "max_steps": steps, "cpu": args.device == "cpu"}
@@ -73,7 +89,7 @@ def main() -> None:
         train_s = time.perf_counter() - start
         model.eval()
         if args.save is not None:
-            save_model(model, tokenizer, args.save / f"cft{steps}")
+            save_model(model, tokenizer, args.save / f"cft{steps}_{noise}")
         settings = [(tau, None) for tau in args.taus]
         rows, _ = rerank_system(model, requests, tokenizer, "cft", settings, decoding, split=args.split)
         for metrics in stage_metrics(rows, n_boot=1000):
@@ -81,7 +97,9 @@ def main() -> None:
             results.append(
                 {
                     "cft_steps": steps,
+                    "noise": noise,
                     "lr": train_params["lr"],
+                    "lambda_r": supervised["lambda_r"],
                     "tau": metrics["tau"],
                     "train_seconds": round(train_s, 1),
                     "final_loss": result.final_metrics.get("loss"),
@@ -94,7 +112,7 @@ def main() -> None:
             )
             r = results[-1]
             print(
-                f"steps {steps:6d} tau {r['tau']:.1f}  own-valid {r['unforced_rate']:.3f}  "
+                f"steps {steps:6d} {noise:13s} tau {r['tau']:.1f}  own-valid {r['unforced_rate']:.3f}  "
                 f"R@1 {r['recall@1']:.3f} [{r['recall@1_ci'][0]:.3f}, {r['recall@1_ci'][1]:.3f}]  "
                 f"tok/fwd {r['tokens_per_forward']:.2f}  train {train_s:.0f} s",
                 flush=True,

@@ -106,6 +106,29 @@ def test_cft_masking_rate_follows_per_block_noise_level() -> None:
     assert (full.noisy_a == MASK).all() and not (full.noisy_b == MASK).any()  # the fused first canvas
 
 
+def test_cft_suffix_noise_masks_a_suffix_of_every_block() -> None:
+    """The `prefix` decoder's canvases: a committed prefix, then masks to the end of the block."""
+    b, r, k = 300, 32, 8
+    ids, roles = torch.ones(b, r, dtype=torch.long), torch.zeros(b, r, dtype=torch.long)
+    noise = cft_noise(ids, roles, k, MASK, generator=torch.Generator().manual_seed(2), pattern="suffix")
+    for noisy in (noise.noisy_a, noise.noisy_b):
+        masked = (noisy == MASK).view(b, r // k, k)
+        assert masked[..., -1].all()  # at least the block's last position: a step has work
+        assert not (masked[..., :-1] & ~masked[..., 1:]).any()  # never a clean token right of a mask
+        starts = k - masked.sum(-1)  # [b, blocks]: the first masked position
+        counts = torch.bincount(starts.flatten(), minlength=k)
+        assert (counts > 0).all() and counts.max() < 2 * counts.min()  # L uniform over 0..k-1
+    assert not torch.equal(noise.noisy_a, noise.noisy_b)  # each view draws its own suffix
+    block_first = torch.arange(r) % k == 0
+    assert torch.equal(noise.loss_a, ((noise.noisy_a == MASK) & ~block_first) | block_first)
+    assert torch.equal(noise.loss_b, (noise.noisy_b == MASK) & ~block_first)
+    ids, roles = _response()
+    short = cft_noise(ids, roles, 4, MASK, generator=torch.Generator().manual_seed(0), pattern="suffix")
+    assert not short.loss_a[1, 13:].any() and not short.loss_b[1, 13:].any()  # padding: never a loss
+    with pytest.raises(ValueError, match="pattern"):
+        cft_noise(ids, roles, 4, MASK, pattern="random")
+
+
 def test_cft_block_size_one_is_the_ar_loss_and_seeded() -> None:
     ids, roles = _response()
     ar = cft_noise(ids, roles, 1, MASK, generator=torch.Generator().manual_seed(0))

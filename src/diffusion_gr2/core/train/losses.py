@@ -13,7 +13,9 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-__all__ = ["CFTNoise", "cft_noise", "forward_kl", "pad_to_blocks", "weighted_token_ce"]
+NOISE_PATTERNS = ("complementary", "suffix")
+
+__all__ = ["NOISE_PATTERNS", "CFTNoise", "cft_noise", "forward_kl", "pad_to_blocks", "weighted_token_ce"]
 
 REASONING, ANSWER, PADDING = 0, 1, -1  # response roles (core/text/tokenizer.py: encode_example)
 
@@ -94,6 +96,7 @@ def cft_noise(
     mask_token_id: int,
     eps: float = 1e-3,
     generator: torch.Generator | None = None,
+    pattern: str = "complementary",
 ) -> CFTNoise:
     """Complementary block-wise masking for Conversion Fine-Tuning (DESIGN §6, Fast-dLLM v2).
 
@@ -106,7 +109,16 @@ def cft_noise(
     Its own prediction always comes from the previous block's last *clean* position, exactly as the
     decoder commits it (shared with ``response_logits``), so it is supervised once, in view a.
     ``block_size == 1`` masks nothing and supervises every token in view a: the AR loss.
+
+    ``pattern="suffix"``: the canvases the `prefix` decoder actually feeds. It commits a block left to
+    right, so a canvas is always a committed prefix and a masked suffix; random masks spend the loss
+    on patterns it never shows (a clean token right of a mask). Per (row, block) and view, the suffix
+    from position L = floor(t k) is masked (t ~ U(0, 1), drawn apart for each view, so L = 0, the
+    block's fused first forward, is one draw in k). The views are no longer complementary: a token is
+    supervised in every view that masks it (and a block's first token once, in view a, as above).
     """
+    if pattern not in NOISE_PATTERNS:
+        raise ValueError(f"CFT noise pattern must be one of {NOISE_PATTERNS}, got {pattern!r}")
     b, r = response_ids.shape
     if r % block_size:
         raise ValueError(f"response length {r} is not a multiple of block size {block_size}")
@@ -119,6 +131,17 @@ def cft_noise(
     real = (response_ids != mask_token_id) & (roles != PADDING)
     block_first = (torch.arange(r, device=device) % block_size == 0).unsqueeze(0)  # [1, r]
     maskable = real if block_size > 1 else torch.zeros_like(real)  # block size 1: the AR loss
+    if pattern == "suffix":
+        t_b = torch.rand(b, r // block_size, generator=generator, device=draw).to(device)
+        in_block = torch.arange(r, device=device) % block_size  # [r]
+        starts = [(tt * block_size).long().repeat_interleave(block_size, dim=1) for tt in (t, t_b)]
+        masked_a, masked_b = (maskable & (in_block >= start) for start in starts)
+        return CFTNoise(
+            noisy_a=torch.where(masked_a, mask_token_id, response_ids),
+            noisy_b=torch.where(masked_b, mask_token_id, response_ids),
+            loss_a=(masked_a & ~block_first) | (real & block_first),
+            loss_b=masked_b & ~block_first,
+        )
     masked_a = maskable & (u < p)
     masked_b = maskable & ~masked_a
     mask_id = torch.full_like(response_ids, mask_token_id)

@@ -95,6 +95,9 @@ class SupervisedConfig:
     block_size: int = 1  # 1 = AR SFT; k > 1 = conversion fine-tuning with block size k
     eps: float = 1e-3  # CFT: minimum masking probability of a position
     seed: int = 0
+    # CFT canvases (`losses.cft_noise`): "complementary" random masks (Fast-dLLM v2) or "suffix"
+    # (a committed prefix and a masked suffix per block: what the `prefix` decoder feeds)
+    noise: str = "complementary"
 
 
 def example_batches(examples: pd.DataFrame, pad_id: int, config: SupervisedConfig) -> Callable:
@@ -143,7 +146,7 @@ def supervised_loss(config: SupervisedConfig, mask_token_id: int | None = None) 
         batch = as_blocks(batch, k, mask_token_id)
         ids, roles = batch.response_ids, batch.roles
         gen = torch.Generator().manual_seed(config.seed * 1_000_003 + batch.index)
-        noise = cft_noise(ids, roles, k, mask_token_id, config.eps, gen)
+        noise = cft_noise(ids, roles, k, mask_token_id, config.eps, gen, config.noise)
         # Both complementary views in one forward, as two noisy copies sharing the prompt and the
         # clean copy: every response token is supervised once.
         logits = response_logits(
