@@ -79,6 +79,27 @@ def test_sweep_cap_applies_to_the_sweep_rows_only(world) -> None:
         pd.testing.assert_frame_equal(rows[["user_id", "point"]].reset_index(drop=True), first)
 
 
+def test_the_operating_point_ranks_candidates_by_their_timed_speed(world) -> None:
+    """With `timing`, each candidate's tokens/s is the geometric mean of its timed batch sizes."""
+    tokenizer, requests = world
+    params = _params(None)
+    params["operating_point"] |= {
+        "windows": [None, 2],
+        "timing": {"n_prompts": 3, "batch_sizes": [1, 2], "rounds": 1, "min_calls": 1, "warmup": 0},
+    }
+    ar = make_rerank_node("ar_rl")(tiny_model_for(tokenizer), requests, tokenizer, params)
+    diffusion = tiny_model_for(tokenizer, block_size=4)
+    point = make_rerank_node("rl")(diffusion, requests, tokenizer, params, ar)["operating_point"]
+    assert len(point["candidates"]) == 2
+    for c in point["candidates"]:
+        by_batch = c["tokens_per_s_by_batch"]
+        assert set(by_batch) == {"1", "2"} and c["timed_prompts"] == 3
+        assert c["tokens_per_s"] == pytest.approx((by_batch["1"] * by_batch["2"]) ** 0.5)
+        assert c["pass_tokens_per_s"] > 0  # the validation pass's own figure is kept beside it
+    fastest = max(point["candidates"], key=lambda c: c["tokens_per_s"])
+    assert (point["tau"], point["window"]) == (fastest["tau"], fastest["window"])
+
+
 def test_without_a_cap_every_pass_answers_every_request(world) -> None:
     tokenizer, requests = world
     params = _params(None)

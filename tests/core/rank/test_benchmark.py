@@ -28,6 +28,7 @@ from diffusion_gr2.core.rank.benchmark import (
     plan_settings,
     run_benchmark,
     speedup_by_length,
+    time_candidates,
 )
 from diffusion_gr2.core.rank.operating_point import refused_operating_point
 from diffusion_gr2.core.rank.plots import speedup_by_batch_figure, speedup_by_length_figure
@@ -249,6 +250,48 @@ def test_every_setting_gets_min_calls_over_the_rounds_counted_by_the_clock(
         if r["system"] == "rl"
     ]
     assert rows_of_rl == [(0.6, 2, True, 1), (0.6, 2, True, 4), (0.9, None, False, 1)]  # + the sweep
+
+
+def test_operating_point_candidates_are_timed_interleaved_at_every_batch_size(
+    world, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`time_candidates`: each (tau, window) at each batch size, round after round, tokens over seconds."""
+    tokenizer, prompts, grammars = world
+    token = tokenizer.convert_tokens_to_ids("<a_3>")
+    model = forced_model(tokenizer, token, block_size=4)
+    timed: list[tuple[int, int]] = []
+    real = bench.time_calls
+
+    def spy(run, batches, *args, **kwargs):
+        timed.append((len(batches[0]), len(batches)))
+        return real(run, batches, *args, **kwargs)
+
+    monkeypatch.setattr(bench, "time_calls", spy)
+    config = _config(prompts, batch_sizes=(1, 2), rounds=2, min_calls=1)
+    clock = TickingClock()
+    out = time_candidates(
+        model,
+        "rl",
+        [(0.9, None), (0.6, 2)],
+        prompts,
+        tokenizer,
+        RerankConfig(max_new_tokens=MAX_NEW),
+        config,
+        grammars,
+        clock,
+    )
+    assert set(out) == {(0.9, None), (0.6, 2)} and all(set(v) == {1, 2} for v in out.values())
+    # 3 prompts: 2 calls per round at batch 1 (ceil(3 / 2)), 1 at batch 2; both candidates each round
+    assert timed == [(1, 2), (2, 1), (1, 2), (2, 1)] * 2
+    # every call lasts 1 s on the ticking clock: tokens/s = output tokens per call
+    expected = decode(
+        model,
+        prompts[:1],
+        decode_config_for(model, tokenizer, 0.9, RerankConfig(max_new_tokens=MAX_NEW)),
+        grammars[:1],
+    )
+    assert out[(0.9, None)][1] == pytest.approx(len(expected[0].tokens))
+    assert out[(0.9, None)][2] > out[(0.9, None)][1]  # two rows a call: twice the tokens a second
 
 
 def test_a_system_without_an_operating_point_is_timed_unserved_with_a_warning(world, caplog) -> None:

@@ -124,6 +124,20 @@ def test_benchmark_rows_make_a_table_and_a_batch_plot() -> None:
     assert html.count("data:image/png;base64,") == 4 and "](plots/" not in html and "<table>" in html
 
 
+def test_operating_point_candidates_are_listed_with_their_timed_speeds() -> None:
+    def candidate(tau: float, window: int | None, at1: float, at16: float) -> dict:
+        return {"tau": tau, "window": window, "recall@1": 0.15, "unforced_rate": 0.6, "tokens_per_forward": 3.0,
+                "tokens_per_s_by_batch": {"1": at1, "16": at16}, "tokens_per_s": (at1 * at16) ** 0.5}  # fmt: skip
+
+    candidates = [candidate(0.9, None, 1000.0, 4000.0), candidate(0.6, 4, 1600.0, 4900.0)]
+    point = {"tau": 0.6, "window": 4, "budget": 0.01, "chosen": candidates[1], "candidates": candidates}
+    text = R.render_markdown(_inputs(operating_point={"rl": point}), {})
+    assert "| system | tau | window | R@1 | own valid | tokens/forward | tokens/s @1 | tokens/s @16 |" in text
+    assert "| rl | 0.9 | — | 0.1500 | 0.6000 | 3.000 | 1000.0 | 4000.0 | 2000.0 |  |" in text
+    assert "| rl | 0.6 | 4 | 0.1500 | 0.6000 | 3.000 | 1600.0 | 4900.0 | 2800.0 | yes |" in text
+    assert "geometric mean" in text
+
+
 def test_training_curves_come_from_the_newest_run_that_logged_each_stage(tmp_path: Path) -> None:
     mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")
     try:

@@ -80,6 +80,7 @@ __all__ = [
     "speedup_by_length",
     "summarize",
     "time_calls",
+    "time_candidates",
 ]
 
 GENERATE = "generate"  # row name of `transformers` `generate` on the reference system's weights
@@ -392,11 +393,12 @@ def _time_rounds(
     grammars: Sequence[TokenConstraint] | None,
     config: BenchmarkConfig,
     clock: Callable[[], float],
+    desc: str = "benchmark",
 ) -> dict[Setting, list[Call]]:
     """Every setting's calls, round after round; each round goes on cycling the prompts where the last
     one stopped, so the rounds together cover the prompts evenly."""
     calls: dict[Setting, list[Call]] = {s: [] for s in settings}
-    with tqdm(total=len(settings) * config.rounds, desc="benchmark", unit="setting") as bar:
+    with tqdm(total=len(settings) * config.rounds, desc=desc, unit="setting") as bar:
         for round_index in range(config.rounds):
             for setting in settings:
                 b = setting.batch_size
@@ -409,6 +411,38 @@ def _time_rounds(
                 calls[setting] += time_calls(run, batches, warmup, device, clock, rows)
                 bar.update()
     return calls
+
+
+def time_candidates(
+    model: PreTrainedModel,
+    system: str,
+    candidates: Sequence[tuple[float, int | None]],
+    prompts: Sequence[Sequence[int]],
+    tokenizer: PreTrainedTokenizerBase,
+    decoding: RerankConfig,
+    config: BenchmarkConfig,
+    grammars: Sequence[TokenConstraint] | None = None,
+    clock: Callable[[], float] = time.perf_counter,
+) -> dict[tuple[float, int | None], dict[int, float]]:
+    """Output tokens/s of each (tau, window) of `system` at every `config.batch_sizes`, one run.
+
+    The operating point's speed side: the same rounds, warm-up and full batches as the benchmark, all
+    candidates interleaved, under `grammars` when given (as served). A pass over the validation split
+    is one cold measurement per setting; this is several, side by side.
+    """
+    constrained = grammars is not None
+    settings = [
+        Setting(system, float(tau), window, constrained, b, False)
+        for tau, window in candidates
+        for b in config.batch_sizes
+    ]
+    runners = {s: make_runner(s, {system: model}, tokenizer, decoding, config.reference) for s in settings}
+    calls = _time_rounds(settings, runners, [list(p) for p in prompts], grammars, config, clock, "timing")
+    out: dict[tuple[float, int | None], dict[int, float]] = {}
+    for s in settings:
+        row = summarize(s, calls[s], "", "")
+        out.setdefault((float(s.tau), s.window), {})[s.batch_size] = row["output_tokens_per_s"]
+    return out
 
 
 def _samples(setting: Setting, calls: Sequence[Call]) -> list[dict[str, Any]]:

@@ -341,8 +341,52 @@ def _operating_point_section(inputs: ReportInputs) -> str:
     return (
         "### Served operating points (chosen on validation, `operating_point.json`)\n\n"
         "The fastest (tau, window) whose R@1 as served on validation is within the budget of the "
-        "reference; the figures are validation's.\n\n" + _table(head, rows)
+        "reference; the figures are validation's.\n\n" + _table(head, rows) + _candidates_table(inputs)
     )
+
+
+def _candidates_table(inputs: ReportInputs) -> str:
+    """Every candidate the choice saw, with the timed speeds it was ranked by (when timed)."""
+    assert inputs.operating_point is not None
+    points = inputs.operating_point.items()
+    batches = sorted(
+        {
+            int(b)
+            for _, p in points
+            for c in p.get("candidates", [])
+            for b in c.get("tokens_per_s_by_batch") or {}
+        }
+    )
+    rows = []
+    for system, p in points:
+        chosen = p.get("chosen") or {}
+        for c in p.get("candidates", []):
+            by_batch = c.get("tokens_per_s_by_batch") or {}
+            picked = (c.get("tau"), c.get("window")) == (chosen.get("tau"), chosen.get("window"))
+            rows.append(
+                [
+                    system,
+                    _tau(c),
+                    _window(c),
+                    _num(c.get("recall@1")),
+                    _num(c.get("unforced_rate")),
+                    _num(c.get("tokens_per_forward"), 3),
+                    *(_num(by_batch.get(str(b)), 1) for b in batches),
+                    _num(c.get("tokens_per_s"), 1),
+                    "yes" if picked else "",
+                ]  # fmt: skip
+            )
+    if not rows:
+        return ""
+    head = ["system", "tau", "window", "R@1", "own valid", "tokens/forward",
+            *(f"tokens/s @{b}" for b in batches), "speed ranked", "chosen"]  # fmt: skip
+    timed = (
+        f" Speeds timed side by side on the first validation prompts at batch {', '.join(map(str, batches))} "
+        "(all calls of interleaved rounds); *speed ranked* is their geometric mean."
+        if batches
+        else " Speeds are the validation passes' own."
+    )
+    return "\n\nCandidates (validation)." + timed + "\n\n" + _table(head, rows)
 
 
 def _comparison_section(inputs: ReportInputs) -> str:

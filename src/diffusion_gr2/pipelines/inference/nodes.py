@@ -1,7 +1,11 @@
 """inference nodes: every system re-ranks the validation and test requests (DESIGN §8, §10).
 
 Diffusion systems decode validation once per candidate (tau, window) and take the fastest whose
-R@1 as served is within the budget of `ar_rl` on the same requests as their operating point; test is
+R@1 as served is within the budget of `ar_rl` on the same requests as their operating point. "Fastest"
+is timed apart from those passes (`operating_point.timing`): every candidate on the same first
+validation prompts, at each timing batch size, in interleaved rounds, ranked by the geometric mean of
+its output tokens/s over the batch sizes (one cold pass per setting at batch 16 picked a different
+window on reruns of the same models). Test is
 decoded at every tau of the sweep and at that operating point, never used to choose. On test, the
 pre-rank, the reference AR system (`ar_rl`) and each served operating point answer every request;
 `ar_sft` and the rest of the tau sweep answer the first `sweep_max_requests` (decoding is the run's
@@ -11,12 +15,14 @@ cost; docs/evaluation.md).
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 from typing import Any
 
 import pandas as pd
 from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
+from diffusion_gr2.core.rank.benchmark import BenchmarkConfig, time_candidates
 from diffusion_gr2.core.rank.metrics import user_values
 from diffusion_gr2.core.rank.operating_point import (
     OperatingPointError,
@@ -29,6 +35,7 @@ from diffusion_gr2.core.rank.rerank import (
     prepare_model,
     prerank_rows,
     rankings_summary,
+    request_grammars,
     rerank_system,
     select_requests,
 )
@@ -107,6 +114,9 @@ def make_rerank_node(system: str) -> Callable[..., pd.DataFrame | dict[str, Any]
             rows, speeds = rerank_system(model, valid, tokenizer, system, settings, config, "valid")
             frames.append(rows)
             if chooses:
+                timing = params["operating_point"].get("timing")
+                if timing:
+                    speeds = _timed_speeds(speeds, model, system, valid, tokenizer, config, timing)
                 point = _operating_point(system, speeds, reference, params["operating_point"])
         if "test" in params["splits"]:
             test = _split_requests(requests, params, "test")
@@ -119,6 +129,43 @@ def make_rerank_node(system: str) -> Callable[..., pd.DataFrame | dict[str, Any]
     rerank_model.__name__ = rerank_model.__qualname__ = f"rerank_{system}"
     rerank_model.__doc__ = f"Re-rank the validation and test requests with `{system}`."
     return rerank_model
+
+
+def _timed_speeds(
+    speeds: list[dict[str, Any]],
+    model: PreTrainedModel,
+    system: str,
+    valid: pd.DataFrame,
+    tokenizer: PreTrainedTokenizerFast,
+    config: RerankConfig,
+    timing: dict[str, Any],
+) -> list[dict[str, Any]]:
+    """The candidates with their speed timed side by side (`time_candidates`) on validation prompts.
+
+    `tokens_per_s` becomes the geometric mean over the timing batch sizes (each batch size weighs the
+    same, whatever its scale); the pass's own figure stays as `pass_tokens_per_s`, the per-batch
+    figures as `tokens_per_s_by_batch`.
+    """
+    bench = BenchmarkConfig.from_params(timing)
+    head = valid.head(bench.n_prompts)
+    prompts = [list(p) for p in head["prompt_ids"]]
+    grammars = request_grammars(tokenizer, head) if config.constrained else None
+    settings = [(float(s["tau"]), s["window"]) for s in speeds]
+    timed = time_candidates(model, system, settings, prompts, tokenizer, config, bench, grammars)
+    out = []
+    for s, key in zip(speeds, settings, strict=True):
+        by_batch = timed[key]
+        mean_log = sum(math.log(max(v, 1e-12)) for v in by_batch.values()) / len(by_batch)
+        out.append(
+            s
+            | {
+                "pass_tokens_per_s": s["tokens_per_s"],
+                "tokens_per_s_by_batch": {str(b): v for b, v in sorted(by_batch.items())},
+                "tokens_per_s": math.exp(mean_log),
+                "timed_prompts": len(prompts),
+            }
+        )
+    return out
 
 
 def _operating_point(
