@@ -9,7 +9,8 @@ Decodes the first `--n` test requests of the trained models in `data/06_models/<
 * `forward`: the decoder's model calls (`_CachedRunner.forward`: transformer and LM head),
 * `grammar`: the answer grammar's checks and corrections (`_constrain_commits`),
 * `other`: everything else (commit rule, canvas bookkeeping, Python between forwards).
-Then it times one forward against the cache of a real prompt for canvases of 1, 2, 4, 8 and 16
+For diffusion it also splits tokens and forwards by part of the answer: the blocks of the
+explanation, the block where the ranking list starts, and the list's blocks. Then it times one forward against the cache of a real prompt for canvases of 1, 2, 4, 8 and 16
 positions (and a fused forward: a clean block plus the canvas), at each batch size, as a ratio to a
 one-token step. Window 0 on the command line means the whole block. `--backends` compares the
 model forwards side by side (`lean`, the default, and `eager`, the transformers modules).
@@ -52,9 +53,33 @@ def _timed(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
+def _regions(outputs: list, tokenizer: Any, k: int) -> dict[str, dict[str, float]]:
+    """Tokens and forwards of the blocks before the ranking list (`explanation`), after its key
+    (`ranking`), and the one block that holds the boundary, summed over `outputs`.
+
+    A block's forwards are its last commit step (fused decoding: the first forward is step 1).
+    """
+    out: dict[str, dict[str, float]] = {}
+    for o in outputs:
+        text, start = "", len(o.tokens)
+        for i, token in enumerate(o.tokens):  # the first token after which the list's key is written
+            text += tokenizer.decode([token])
+            if '"recommendations"' in text:
+                start = i
+                break
+        for lo in range(0, len(o.tokens), k):
+            region = "ranking" if lo > start else "explanation" if lo + k <= start else "boundary"
+            cell = out.setdefault(region, {"tokens": 0, "forwards": 0})
+            cell["tokens"] += len(o.tokens[lo : lo + k])
+            cell["forwards"] += max(o.commit_steps[lo : lo + k])
+    for cell in out.values():
+        cell["tokens_per_forward"] = cell["tokens"] / max(cell["forwards"], 1)
+    return out
+
+
 def _profile_decode(
-    model: PreTrainedModel, prompts: list[list[int]], cfg: DecodeConfig, grammars: list | None
-) -> dict[str, float]:
+    model: PreTrainedModel, prompts: list[list[int]], cfg: DecodeConfig, grammars: list | None, tokenizer: Any
+) -> dict[str, Any]:
     """One decode call (after a warm-up), its wall time split into forward / grammar / other."""
     decode(model, prompts[: cfg.batch_size], cfg, None if grammars is None else grammars[: cfg.batch_size])
     TIMERS.clear()
@@ -63,7 +88,9 @@ def _profile_decode(
     wall = time.perf_counter() - start
     tokens, nfe = sum(len(o.tokens) for o in outputs), sum(o.nfe for o in outputs)
     forward, grammar = TIMERS["forward"], TIMERS["grammar"]
+    regions = _regions(outputs, tokenizer, cfg.block_size) if cfg.block_size > 1 else {}
     return {
+        "regions": regions,
         "wall_s": wall,
         "forward_s": forward,
         "grammar_s": grammar,
@@ -170,13 +197,21 @@ def main() -> None:
                         jump_forward=not args.no_jump,
                     )
                     grammars = None if args.free else request_grammars(tokenizer, requests)
-                    row = _profile_decode(model, prompts, cfg, grammars)
+                    row = _profile_decode(model, prompts, cfg, grammars, tokenizer)
                     wall = row["wall_s"]
                     print(
                         f"{system:6s} {backend:7s} {tau or '-':>4} {window or '-':>3} {batch:5d} {row['tokens_per_s']:7.0f} "
                         f"{row['tokens_per_forward']:7.2f} {row['ms_per_forward_call']:6.2f} "
                         f"{row['forward_s'] / wall:8.0%} {row['grammar_s'] / wall:8.0%} {row['other_s'] / wall:8.0%}"
                     )
+                    if row["regions"]:
+                        print(
+                            "        tokens/forward by part of the answer: "
+                            + ", ".join(
+                                f"{name} {c['tokens_per_forward']:.2f} ({c['forwards']} forwards)"
+                                for name, c in row["regions"].items()
+                            )
+                        )
                     report["settings"].append(
                         {"system": system, "backend": backend, "tau": tau, "window": window, "batch": batch}
                         | row
