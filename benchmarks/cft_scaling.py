@@ -9,7 +9,7 @@ setting `cft.train.max_steps`), on `data/05_model_input/sft_examples.parquet`. A
 validation requests (`--split`; choose on validation, report on test) are re-ranked as served (answer
 grammar on) and the table reports the model's own valid rate (`unforced_rate`), R@1 and output tokens per forward at each tau. The default run's CFT is
 sized for two CPU cores; this shows what the same recipe reaches with more compute (a GPU runs it in
-minutes). `--save DIR` keeps each model as `DIR/cft<steps>` (time it with saved_models_bench.py).
+minutes). `--save DIR` keeps each model as `DIR/cft<steps>` (`DIR/cft<steps>_suffix` for suffix noise) (time it with saved_models_bench.py).
 """
 
 from __future__ import annotations
@@ -89,7 +89,8 @@ def main() -> None:
         train_s = time.perf_counter() - start
         model.eval()
         if args.save is not None:
-            save_model(model, tokenizer, args.save / f"cft{steps}_{noise}")
+            suffix = "" if noise == "complementary" else f"_{noise}"  # the default keeps its plain name
+            save_model(model, tokenizer, args.save / f"cft{steps}{suffix}")
         settings = [(tau, None) for tau in args.taus]
         rows, _ = rerank_system(model, requests, tokenizer, "cft", settings, decoding, split=args.split)
         for metrics in stage_metrics(rows, n_boot=1000):
