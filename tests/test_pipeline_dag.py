@@ -198,6 +198,20 @@ def test_decode_profile_and_variants_scripts_run_on_the_trained_models(dag_run: 
     assert by_backend["lean"] == by_backend["eager"]  # the same tokens from either forward
     assert set(profile["canvas_ms"]) == {f"rl@{b}/{f}" for b in (1, 2) for f in ("lean", "eager")}
     assert "forward cost" in out
+    for row in profile["settings"]:  # diffusion rows split their tokens by part of the answer
+        regions = row["regions"]
+        assert (row["system"] == "rl") == bool(regions)
+        assert sum(c["tokens"] for c in regions.values()) == (row["tokens"] if regions else 0)
+    run_script(
+        dag_run,
+        "operating_point_timing.py",
+        *inputs,
+        *("--params", str(dag_run / "conf/smoke/parameters_inference.yml"), "--repeats", "2"),
+        *("--threads", "1", "--json", str(tmp_path / "timing.json")),
+    )
+    repeats = json.loads((tmp_path / "timing.json").read_text())
+    assert len(repeats) == 2 and all(len(r["candidates"]) == 2 for r in repeats)  # smoke: tau 0.9 x 2 windows
+    assert all(set(c["tokens_per_s_by_batch"]) == {"1", "4"} for r in repeats for c in r["candidates"])
     run_script(
         dag_run,
         "decode_variants.py",

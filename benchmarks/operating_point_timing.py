@@ -1,0 +1,83 @@
+"""Is the operating point's speed ranking stable? Repeat its timing on a run's models.
+
+    .venv/bin/python benchmarks/operating_point_timing.py [--repeats 3] [--system rl] [--json OUT.json]
+
+Each repeat is what the inference node does to rank the candidates (`inference.operating_point`:
+its `taus` x `windows`, timed by `timing` with `core/rank/benchmark.py::time_candidates` on the first
+validation prompts, under the grammar): output tokens/s per batch size and their geometric mean.
+Prints each repeat's figures, the candidate it would serve and what the timing cost. Accuracy is not
+re-checked here: which candidates qualify is in the run's `operating_point.json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from pathlib import Path
+
+import pandas as pd
+import torch
+import yaml
+from transformers import AutoTokenizer
+
+from diffusion_gr2.core.model.factory import load_model
+from diffusion_gr2.core.rank.benchmark import BenchmarkConfig, time_candidates
+from diffusion_gr2.core.rank.rerank import RerankConfig, request_grammars, select_requests
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", type=Path, default=ROOT / "data/06_models")
+    parser.add_argument("--requests", type=Path, default=ROOT / "data/05_model_input/requests.parquet")
+    parser.add_argument("--params", type=Path, default=ROOT / "conf/base/parameters_inference.yml")
+    parser.add_argument("--system", default="rl")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    params = yaml.safe_load(args.params.read_text())["inference"]
+    point = params["operating_point"]
+    bench = BenchmarkConfig.from_params(point["timing"])
+    tokenizer = AutoTokenizer.from_pretrained(args.models / "tokenizer", local_files_only=True)
+    valid = select_requests(pd.read_parquet(args.requests), "valid", bench.n_prompts)
+    prompts = [list(p) for p in valid["prompt_ids"]]
+    model = load_model(args.models / args.system).eval()
+    config = RerankConfig(**params["decoding"])
+    grammars = request_grammars(tokenizer, valid) if config.constrained else None
+    candidates = [(float(t), None if w is None else int(w)) for t in point["taus"] for w in point["windows"]]
+    repeats = []
+    for r in range(args.repeats):
+        start = time.perf_counter()
+        timed = time_candidates(model, args.system, candidates, prompts, tokenizer, config, bench, grammars)
+        seconds = time.perf_counter() - start
+        rows = [
+            {"tau": t, "window": w, "tokens_per_s_by_batch": {str(b): v for b, v in timed[(t, w)].items()}}
+            | {
+                "tokens_per_s": math.exp(
+                    sum(math.log(v) for v in timed[(t, w)].values()) / len(timed[(t, w)])
+                )
+            }
+            for t, w in candidates
+        ]
+        best = max(rows, key=lambda row: row["tokens_per_s"])
+        repeats.append({"seconds": seconds, "candidates": rows, "fastest": [best["tau"], best["window"]]})
+        cells = "; ".join(
+            f"tau {row['tau']} window {row['window'] or '-'}: "
+            + " ".join(f"b{b} {v:.0f}" for b, v in row["tokens_per_s_by_batch"].items())
+            + f" -> {row['tokens_per_s']:.0f}"
+            for row in rows
+        )
+        print(
+            f"repeat {r}: {seconds:.1f} s; {cells}; fastest tau {best['tau']} window {best['window'] or '-'}"
+        )
+    if args.json:
+        args.json.write_text(json.dumps(repeats, indent=2))
+
+
+if __name__ == "__main__":
+    main()
