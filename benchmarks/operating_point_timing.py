@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import time
 from pathlib import Path
 
@@ -23,7 +22,7 @@ import yaml
 from transformers import AutoTokenizer
 
 from diffusion_gr2.core.model.factory import load_model
-from diffusion_gr2.core.rank.benchmark import BenchmarkConfig, time_candidates
+from diffusion_gr2.core.rank.benchmark import BenchmarkConfig, ranked_speed, time_candidates
 from diffusion_gr2.core.rank.rerank import RerankConfig, request_grammars, select_requests
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -57,11 +56,7 @@ def main() -> None:
         seconds = time.perf_counter() - start
         rows = [
             {"tau": t, "window": w, "tokens_per_s_by_batch": {str(b): v for b, v in timed[(t, w)].items()}}
-            | {
-                "tokens_per_s": math.exp(
-                    sum(math.log(v) for v in timed[(t, w)].values()) / len(timed[(t, w)])
-                )
-            }
+            | {"tokens_per_s": ranked_speed(timed[(t, w)])}
             for t, w in candidates
         ]
         best = max(rows, key=lambda row: row["tokens_per_s"])

@@ -76,6 +76,7 @@ __all__ = [
     "format_table",
     "full_batches",
     "plan_settings",
+    "ranked_speed",
     "run_benchmark",
     "speedup_by_length",
     "summarize",
@@ -443,6 +444,12 @@ def time_candidates(
         row = summarize(s, calls[s], "", "")
         out.setdefault((float(s.tau), s.window), {})[s.batch_size] = row["output_tokens_per_s"]
     return out
+
+
+def ranked_speed(by_batch: Mapping[int, float]) -> float:
+    """The figure the operating point ranks candidates by: the geometric mean of their tokens/s over
+    the timed batch sizes (each batch size weighs the same, whatever its scale)."""
+    return math.exp(sum(math.log(max(v, 1e-12)) for v in by_batch.values()) / len(by_batch))
 
 
 def _samples(setting: Setting, calls: Sequence[Call]) -> list[dict[str, Any]]:

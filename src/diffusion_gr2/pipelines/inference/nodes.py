@@ -15,14 +15,13 @@ cost; docs/evaluation.md).
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Callable
 from typing import Any
 
 import pandas as pd
 from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
-from diffusion_gr2.core.rank.benchmark import BenchmarkConfig, time_candidates
+from diffusion_gr2.core.rank.benchmark import BenchmarkConfig, ranked_speed, time_candidates
 from diffusion_gr2.core.rank.metrics import user_values
 from diffusion_gr2.core.rank.operating_point import (
     OperatingPointError,
@@ -142,8 +141,7 @@ def _timed_speeds(
 ) -> list[dict[str, Any]]:
     """The candidates with their speed timed side by side (`time_candidates`) on validation prompts.
 
-    `tokens_per_s` becomes the geometric mean over the timing batch sizes (each batch size weighs the
-    same, whatever its scale); the pass's own figure stays as `pass_tokens_per_s`, the per-batch
+    `tokens_per_s` becomes `ranked_speed` (the geometric mean over the timing batch sizes); the pass's own figure stays as `pass_tokens_per_s`, the per-batch
     figures as `tokens_per_s_by_batch`.
     """
     bench = BenchmarkConfig.from_params(timing)
@@ -155,13 +153,12 @@ def _timed_speeds(
     out = []
     for s, key in zip(speeds, settings, strict=True):
         by_batch = timed[key]
-        mean_log = sum(math.log(max(v, 1e-12)) for v in by_batch.values()) / len(by_batch)
         out.append(
             s
             | {
                 "pass_tokens_per_s": s["tokens_per_s"],
                 "tokens_per_s_by_batch": {str(b): v for b, v in sorted(by_batch.items())},
-                "tokens_per_s": math.exp(mean_log),
+                "tokens_per_s": ranked_speed(by_batch),
                 "timed_prompts": len(prompts),
             }
         )
