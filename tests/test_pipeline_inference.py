@@ -10,8 +10,8 @@ import pytest
 import torch
 from transformers import PreTrainedTokenizerFast
 
-from diffusion_gr2.core.rank.rerank import select_requests, stage_metrics
-from diffusion_gr2.pipelines.inference.nodes import make_rerank_node, rerank_prerank
+from diffusion_gr2.core.rank.rerank import RerankConfig, select_requests, stage_metrics
+from diffusion_gr2.pipelines.inference.nodes import _timed_speeds, make_rerank_node, rerank_prerank
 from tests.core.model.tiny import tiny_model_for
 from tests.core.rank.world import make_world
 
@@ -98,6 +98,17 @@ def test_the_operating_point_ranks_candidates_by_their_timed_speed(world) -> Non
         assert c["pass_tokens_per_s"] > 0  # the validation pass's own figure is kept beside it
     fastest = max(point["candidates"], key=lambda c: c["tokens_per_s"])
     assert (point["tau"], point["window"]) == (fastest["tau"], fastest["window"])
+
+
+def test_no_validation_prompts_leave_the_passes_speeds_untimed(world, caplog) -> None:
+    tokenizer, requests = world
+    speeds = [{"tau": 0.9, "window": None, "tokens_per_s": float("nan")}]
+    timing = {"n_prompts": 3, "batch_sizes": [1], "rounds": 1, "min_calls": 1}
+    model = tiny_model_for(tokenizer, block_size=4)
+    config = RerankConfig(max_new_tokens=8, constrained=False, device="cpu")
+    with caplog.at_level("WARNING"):
+        out = _timed_speeds(speeds, model, "rl", requests.head(0), tokenizer, config, timing)
+    assert out == speeds and "no validation prompts" in caplog.text
 
 
 def test_without_a_cap_every_pass_answers_every_request(world) -> None:

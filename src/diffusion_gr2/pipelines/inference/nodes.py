@@ -146,6 +146,9 @@ def _timed_speeds(
     """
     bench = BenchmarkConfig.from_params(timing)
     head = valid.head(bench.n_prompts)
+    if head.empty:  # nothing to time on: the passes' own figures (nan for an empty split) stand
+        logger.warning("%s: no validation prompts to time the operating point's candidates on", system)
+        return speeds
     prompts = [list(p) for p in head["prompt_ids"]]
     grammars = request_grammars(tokenizer, head) if config.constrained else None
     settings = [(float(s["tau"]), s["window"]) for s in speeds]
