@@ -36,8 +36,9 @@ def choose_operating_point(
 
     Each candidate holds `tau`, `window` (None = the whole block), `recall@1` and `tokens_per_s`
     (output tokens per second on validation prompts: the inference node times every candidate side
-    by side, `operating_point.timing`); ties in speed go to the higher R@1. `min_unforced_rate`, when set, also requires the model's own valid rate
-    (`unforced_rate`): a low tau can keep R@1 as served while the grammar writes most answers.
+    by side, `operating_point.timing`); ties in speed go to the higher R@1. `min_unforced_rate`,
+    when set, also requires the model's own valid rate (`unforced_rate`): a low tau can keep R@1 as
+    served while the grammar writes most answers.
     Raises `OperatingPointError` naming the best R@1 seen when nothing qualifies.
     """
     if not candidates:

@@ -141,8 +141,8 @@ def _timed_speeds(
 ) -> list[dict[str, Any]]:
     """The candidates with their speed timed side by side (`time_candidates`) on validation prompts.
 
-    `tokens_per_s` becomes `ranked_speed` (the geometric mean over the timing batch sizes); the pass's own figure stays as `pass_tokens_per_s`, the per-batch
-    figures as `tokens_per_s_by_batch`.
+    `tokens_per_s` becomes `ranked_speed` (the geometric mean over the timing batch sizes); the
+    pass's own figure stays as `pass_tokens_per_s`, the per-batch figures as `tokens_per_s_by_batch`.
     """
     bench = BenchmarkConfig.from_params(timing)
     head = valid.head(bench.n_prompts)
