@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/decode_profile.py [--systems ar_rl rl] [--taus 0.9 0.6] [--windows 0 4]
         [--batch-sizes 1 16] [--backends lean eager] [--n 16] [--threads 2] [--no-fused] [--free]
-        [--no-jump] [--json OUT.json]
+        [--no-jump] [--compile] [--json OUT.json]
 
 Decodes the first `--n` test requests of the trained models in `data/06_models/<system>` (as the
 `benchmark` pipeline does: the answer grammar on unless `--free`) and splits the wall time into
@@ -12,7 +12,8 @@ Decodes the first `--n` test requests of the trained models in `data/06_models/<
 For diffusion it also splits tokens and forwards by part of the answer: the blocks of the
 explanation, the block where the ranking list starts, and the list's blocks. Then it times one forward against the cache of a real prompt for canvases of 1, 2, 4, 8 and 16
 positions (and a fused forward: a clean block plus the canvas), at each batch size, as a ratio to a
-one-token step. Window 0 on the command line means the whole block. `--backends` compares the
+one-token step (`--compile`: also with the lean forward under `torch.compile`). Window 0 on the
+command line means the whole block. `--backends` compares the
 model forwards side by side (`lean`, the default, and `eager`, the transformers modules).
 """
 
@@ -104,13 +105,26 @@ def _profile_decode(
 
 
 def _canvas_costs(
-    model: PreTrainedModel, prompt: list[int], batch: int, k: int, repeats: int, backend: str
+    model: PreTrainedModel,
+    prompt: list[int],
+    batch: int,
+    k: int,
+    repeats: int,
+    backend: str,
+    compiled: bool = False,
 ) -> dict[str, float]:
-    """ms of one forward against a cached prompt: canvases of 1..16 positions, and a fused forward."""
+    """ms of one forward against a cached prompt: canvases of 1..16 positions, and a fused forward.
+
+    `compiled`: the lean forward under `torch.compile` (inductor, dynamic shapes); every shape is
+    run once before it is timed, so compiling is not in the figures.
+    """
     ids, valid = left_pad_prompts([prompt] * batch, 0, model.device)
     width = 2 * k + 32  # room for a clean block and the widest canvas
     layout = prompt_response_layout(valid, torch.ones(batch, width, dtype=torch.bool, device=model.device), k)
     runner = _CachedRunner(model, layout, decoder._lean_forward(model, backend, layout.length))
+    if compiled:
+        assert runner.lean is not None, "--compile needs the lean backend"
+        runner.lean.hidden = torch.compile(runner.lean.hidden, dynamic=True)  # type: ignore[method-assign]
     runner.forward(ids, None, None)
     mask_id = int(getattr(model.config, "mask_token_id", None) or 1)
     out = {}
@@ -127,11 +141,11 @@ def _canvas_costs(
         canvas = torch.full((batch, q), mask_id, device=model.device)
         valid_q = torch.ones_like(canvas, dtype=torch.bool)
         elapsed = 0.0
-        for _ in range(repeats):
+        for rep in range(repeats + 1):  # the first, untimed: allocations (and compiling)
             n = runner.n
             start = time.perf_counter()
             runner.forward(block, canvas, valid_q)
-            elapsed += time.perf_counter() - start
+            elapsed += (time.perf_counter() - start) if rep else 0.0
             for layer in runner.cache.layers:  # forget the clean block again: the same cache every time
                 layer.crop(-k)
             runner.n = n
@@ -155,6 +169,9 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=192)
     parser.add_argument("--no-fused", action="store_true", help="the block's own forward writes it")
     parser.add_argument("--free", action="store_true", help="no answer grammar")
+    parser.add_argument(
+        "--compile", action="store_true", help="forward costs also with the lean forward under torch.compile"
+    )
     parser.add_argument("--no-jump", action="store_true", help="no jump-forward over forced tokens")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
@@ -217,12 +234,16 @@ def main() -> None:
                         | row
                     )
         if not is_ar:
-            for batch, backend in itertools.product(args.batch_sizes, args.backends):
-                costs = _canvas_costs(model, prompts[0], batch, block_size, args.repeats, backend)
+            variants = [(b, f, False) for b, f in itertools.product(args.batch_sizes, args.backends)]
+            if args.compile:  # the compiled lean forward beside the eager one, same shapes
+                variants += [(b, "lean", True) for b in args.batch_sizes]
+            for batch, backend, compiled in variants:
+                costs = _canvas_costs(model, prompts[0], batch, block_size, args.repeats, backend, compiled)
                 one = costs["canvas_1"]
                 text = "  ".join(f"{k} {v:.2f}ms ({v / one:.2f}x)" for k, v in costs.items())
-                print(f"forward cost, {system}, {backend}, batch {batch}: {text}")
-                report["canvas_ms"][f"{system}@{batch}/{backend}"] = costs
+                name = backend + ("+compiled" if compiled else "")
+                print(f"forward cost, {system}, {name}, batch {batch}: {text}")
+                report["canvas_ms"][f"{system}@{batch}/{name}"] = costs
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))
 
