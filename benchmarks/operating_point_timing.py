@@ -24,6 +24,7 @@ from transformers import AutoTokenizer
 from diffusion_gr2.core.model.factory import load_model
 from diffusion_gr2.core.rank.benchmark import BenchmarkConfig, ranked_speed, time_candidates
 from diffusion_gr2.core.rank.rerank import RerankConfig, request_grammars, select_requests
+from diffusion_gr2.pipelines.inference.nodes import operating_point_settings
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -48,17 +49,13 @@ def main() -> None:
     model = load_model(args.models / args.system).eval()
     config = RerankConfig(**params["decoding"])
     grammars = request_grammars(tokenizer, valid) if config.constrained else None
-    candidates = [(float(t), None if w is None else int(w)) for t in point["taus"] for w in point["windows"]]
+    candidates = operating_point_settings(params)
     repeats = []
     for r in range(args.repeats):
         start = time.perf_counter()
         timed = time_candidates(model, args.system, candidates, prompts, tokenizer, config, bench, grammars)
         seconds = time.perf_counter() - start
-        rows = [
-            {"tau": t, "window": w, "tokens_per_s_by_batch": {str(b): v for b, v in timed[(t, w)].items()}}
-            | {"tokens_per_s": ranked_speed(timed[(t, w)])}
-            for t, w in candidates
-        ]
+        rows = [{"tau": t, "window": w} | ranked_speed(timed[(t, w)]) for t, w in candidates]
         best = max(rows, key=lambda row: row["tokens_per_s"])
         repeats.append({"seconds": seconds, "candidates": rows, "fastest": [best["tau"], best["window"]]})
         cells = "; ".join(

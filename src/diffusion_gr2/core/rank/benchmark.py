@@ -446,10 +446,15 @@ def time_candidates(
     return out
 
 
-def ranked_speed(by_batch: Mapping[int, float]) -> float:
-    """The figure the operating point ranks candidates by: the geometric mean of their tokens/s over
-    the timed batch sizes (each batch size weighs the same, whatever its scale)."""
-    return math.exp(sum(math.log(max(v, 1e-12)) for v in by_batch.values()) / len(by_batch))
+def ranked_speed(by_batch: Mapping[int, float]) -> dict[str, Any]:
+    """A timed candidate's speed fields: its tokens/s per batch size (`tokens_per_s_by_batch`) and the
+    figure the operating point ranks by (`tokens_per_s`), their geometric mean: each batch size
+    weighs the same, whatever its scale."""
+    mean_log = sum(math.log(max(v, 1e-12)) for v in by_batch.values()) / len(by_batch)
+    return {
+        "tokens_per_s_by_batch": {str(b): v for b, v in sorted(by_batch.items())},
+        "tokens_per_s": math.exp(mean_log),
+    }
 
 
 def _samples(setting: Setting, calls: Sequence[Call]) -> list[dict[str, Any]]:

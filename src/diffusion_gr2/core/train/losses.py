@@ -136,14 +136,9 @@ def cft_noise(
         in_block = torch.arange(r, device=device) % block_size  # [r]
         starts = [(tt * block_size).long().repeat_interleave(block_size, dim=1) for tt in (t, t_b)]
         masked_a, masked_b = (maskable & (in_block >= start) for start in starts)
-        return CFTNoise(
-            noisy_a=torch.where(masked_a, mask_token_id, response_ids),
-            noisy_b=torch.where(masked_b, mask_token_id, response_ids),
-            loss_a=(masked_a & ~block_first) | (real & block_first),
-            loss_b=masked_b & ~block_first,
-        )
-    masked_a = maskable & (u < p)
-    masked_b = maskable & ~masked_a
+    else:
+        masked_a = maskable & (u < p)
+        masked_b = maskable & ~masked_a
     mask_id = torch.full_like(response_ids, mask_token_id)
     return CFTNoise(
         noisy_a=torch.where(masked_a, mask_id, response_ids),

@@ -79,7 +79,8 @@ def _sweep(params: dict[str, Any], system: str) -> list[Setting]:
     return [(float(t), None) for t in taus]
 
 
-def _candidates(params: dict[str, Any]) -> list[Setting]:
+def operating_point_settings(params: dict[str, Any]) -> list[Setting]:
+    """The (tau, window) candidates of the operating point (`inference.operating_point`)."""
     point = params["operating_point"]
     return [(float(t), None if w is None else int(w)) for t in point["taus"] for w in point["windows"]]
 
@@ -109,7 +110,7 @@ def make_rerank_node(system: str) -> Callable[..., pd.DataFrame | dict[str, Any]
         frames, point = [], None
         if "valid" in params["splits"]:
             valid = _split_requests(requests, params, "valid")
-            settings = _candidates(params) if chooses else _sweep(params, system)
+            settings = operating_point_settings(params) if chooses else _sweep(params, system)
             rows, speeds = rerank_system(model, valid, tokenizer, system, settings, config, "valid")
             frames.append(rows)
             if chooses:
@@ -153,19 +154,10 @@ def _timed_speeds(
     grammars = request_grammars(tokenizer, head) if config.constrained else None
     settings = [(float(s["tau"]), s["window"]) for s in speeds]
     timed = time_candidates(model, system, settings, prompts, tokenizer, config, bench, grammars)
-    out = []
-    for s, key in zip(speeds, settings, strict=True):
-        by_batch = timed[key]
-        out.append(
-            s
-            | {
-                "pass_tokens_per_s": s["tokens_per_s"],
-                "tokens_per_s_by_batch": {str(b): v for b, v in sorted(by_batch.items())},
-                "tokens_per_s": ranked_speed(by_batch),
-                "timed_prompts": len(prompts),
-            }
-        )
-    return out
+    return [
+        s | {"pass_tokens_per_s": s["tokens_per_s"], "timed_prompts": len(prompts)} | ranked_speed(timed[key])
+        for s, key in zip(speeds, settings, strict=True)
+    ]
 
 
 def _operating_point(
