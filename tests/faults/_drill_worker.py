@@ -3,7 +3,7 @@
 A tiny Qwen3 (with attention dropout, so the resumed run also depends on the restored RNG) trains on
 fixed synthetic token examples with the project's own batches and loss (`example_batches`,
 `supervised_loss`). ``python _drill_worker.py OUT [PAUSE_STEP]``: with PAUSE_STEP, the process stops
-inside the checkpoint write of that step, after ``model.safetensors`` and ``optimizer.pt`` are in the
+inside the checkpoint write of that step, after ``model.safetensors`` and ``optimizer.bin`` are in the
 temp folder, writes ``OUT/paused`` and waits to be killed. Otherwise it trains (resuming if it can)
 and writes the final weights to ``OUT/final.safetensors`` and the result to ``OUT/result.json``.
 """
@@ -54,7 +54,7 @@ def pause_inside_checkpoint(out: Path, step: int) -> None:
     def save(obj: object, f: object, *args: object, **kwargs: object) -> None:
         real_save(obj, f, *args, **kwargs)
         path = Path(str(f))
-        if path.name == "optimizer.pt" and path.parent.name.startswith(f".step-{step:06d}."):
+        if path.name == "optimizer.bin" and path.parent.name.startswith(f".step-{step:06d}."):
             (out / "paused").write_text(str(path.parent))
             time.sleep(600)  # the test kills us here, mid-checkpoint
 

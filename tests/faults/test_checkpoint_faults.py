@@ -13,6 +13,8 @@ import pandas as pd
 import pytest
 import safetensors.torch
 import torch
+from accelerate import Accelerator
+from accelerate.state import AcceleratorState
 
 from diffusion_gr2.core import io
 from diffusion_gr2.core.train.checkpoint import (
@@ -35,6 +37,14 @@ def _objects(seed: int, width: int = 8) -> tuple[torch.nn.Module, torch.optim.Op
     return model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 / (s + 1))
 
 
+def _accelerated(seed: int, width: int = 8) -> tuple[Accelerator, torch.nn.Module, object]:
+    """A one-process accelerator holding a fresh model, optimizer and scheduler (what the loop saves)."""
+    AcceleratorState._reset_state(reset_partial_state=True)
+    acc = Accelerator(cpu=True)
+    model, optimizer, scheduler = acc.prepare(*_objects(seed, width))
+    return acc, model, scheduler
+
+
 def _step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: object) -> None:
     model(torch.randn(5, 4)).pow(2).mean().backward()
     optimizer.step()
@@ -46,11 +56,11 @@ def _step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: o
 def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """``checkpoints/step-000004`` and ``step-000006`` of a tiny run."""
     root = tmp_path_factory.mktemp("run") / "checkpoints"
-    model, optimizer, scheduler = _objects(0)
+    acc, model, scheduler = _accelerated(0)
     for step in range(1, max(STEPS) + 1):
-        _step(model, optimizer, scheduler)
+        _step(model, acc._optimizers[0], scheduler)
         if step in STEPS:
-            save_checkpoint(root / f"step-{step:06d}", model, optimizer, scheduler, LoopState(step), [{}])
+            save_checkpoint(root / f"step-{step:06d}", acc, LoopState(step))
     return root
 
 
@@ -78,13 +88,12 @@ def _delete(name: str) -> Callable[[Path], None]:
 def _other_model(folder: Path) -> None:
     """A complete, consistent checkpoint of a differently shaped model (manifest valid)."""
     shutil.rmtree(folder)
-    model, optimizer, scheduler = _objects(1, width=16)
-    save_checkpoint(folder, model, optimizer, scheduler, LoopState(6), [{}])
+    save_checkpoint(folder, _accelerated(1, width=16)[0], LoopState(6))
 
 
 def _garbage_behind_manifest(folder: Path) -> None:
-    """optimizer.pt replaced by garbage and the manifest rewritten to match: the read itself must fail."""
-    (folder / "optimizer.pt").write_bytes(b"not a torch file")
+    """optimizer.bin replaced by garbage and the manifest rewritten to match: the read itself must fail."""
+    (folder / "optimizer.bin").write_bytes(b"not a torch file")
     (folder / "manifest.json").unlink()
     _write_manifest(folder)
 
@@ -93,16 +102,16 @@ def _garbage_behind_manifest(folder: Path) -> None:
 DAMAGES = [
     ("model_truncated", _truncate("model.safetensors", 0.5), "model.safetensors"),
     ("model_zero_bytes", _truncate("model.safetensors", 0.0), "model.safetensors"),
-    ("optimizer_truncated", _truncate("optimizer.pt", 0.5), "optimizer.pt"),
-    ("optimizer_zero_bytes", _truncate("optimizer.pt", 0.0), "optimizer.pt"),
+    ("optimizer_truncated", _truncate("optimizer.bin", 0.5), "optimizer.bin"),
+    ("optimizer_zero_bytes", _truncate("optimizer.bin", 0.0), "optimizer.bin"),
     ("state_zero_bytes", _truncate("trainer_state.json", 0.0), "trainer_state.json"),
     ("state_byte_flipped", _flip_byte("trainer_state.json"), "trainer_state.json"),
-    ("rng_byte_flipped", _flip_byte("rng.pt"), "rng.pt"),
-    ("scheduler_missing", _delete("scheduler.pt"), "scheduler.pt"),
+    ("rng_byte_flipped", _flip_byte("random_states_0.pkl"), "random_states_0.pkl"),
+    ("scheduler_missing", _delete("scheduler.bin"), "scheduler.bin"),
     ("manifest_missing", _delete("manifest.json"), "manifest.json"),
     ("manifest_garbage", _truncate("manifest.json", 0.3), "manifest.json"),
     ("other_model_shape", _other_model, "model.safetensors"),
-    ("garbage_behind_valid_manifest", _garbage_behind_manifest, "optimizer.pt"),
+    ("garbage_behind_valid_manifest", _garbage_behind_manifest, "optimizer.bin"),
 ]
 
 
@@ -113,15 +122,15 @@ def test_damaged_newest_checkpoint_falls_back_to_the_older_one(
     root = tmp_path / "checkpoints"
     shutil.copytree(saved, root)
     damage(root / "step-000006")
-    model, optimizer, scheduler = _objects(99)
+    acc, model, scheduler = _accelerated(99)
     with caplog.at_level(logging.WARNING):
-        restored = restore_latest(root, model, optimizer, scheduler)
+        restored = restore_latest(root, acc)
     assert restored is not None
-    path, state, _ = restored
+    path, state = restored
     assert path.name == "step-000004" and state.step == 4
     expected = safetensors.torch.load_file(saved / "step-000004" / "model.safetensors")
     assert all(torch.equal(model.state_dict()[k], v) for k, v in expected.items())
-    assert scheduler.last_epoch == 4  # type: ignore[attr-defined]
+    assert scheduler.scheduler.last_epoch == 4  # type: ignore[attr-defined]
     warning = " ".join(r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
     assert f"step-000006/{named}" in warning
     assert [s for s, _ in checkpoint_dirs(root)] == [4] and (root / "step-000006.corrupt").is_dir()
@@ -132,9 +141,9 @@ def test_all_checkpoints_damaged_starts_fresh_with_model_untouched(saved: Path, 
     shutil.copytree(saved, root)
     for step in STEPS:
         _truncate("model.safetensors", 0.5)(root / f"step-{step:06d}")
-    model, optimizer, scheduler = _objects(99)
+    acc, model, _ = _accelerated(99)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    assert restore_latest(root, model, optimizer, scheduler) is None
+    assert restore_latest(root, acc) is None
     assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
     assert checkpoint_dirs(root) == []
 

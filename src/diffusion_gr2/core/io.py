@@ -24,7 +24,13 @@ import pandas as pd
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["atomic_directory", "atomic_write_json", "atomic_write_parquet", "atomic_write_text"]
+__all__ = [
+    "atomic_directory",
+    "atomic_write_json",
+    "atomic_write_parquet",
+    "atomic_write_text",
+    "publish_directory",
+]
 
 
 def _json_default(obj: Any) -> Any:
@@ -126,6 +132,15 @@ def atomic_directory(path: str | Path) -> Iterator[Path]:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     _swap_directory(tmp, path)
+
+
+def publish_directory(tmp: str | Path, path: str | Path) -> Path:
+    """Flush a finished temp directory to disk and rename it onto ``path`` (what `atomic_directory` ends
+    with), for folders several processes write into before one of them publishes it."""
+    tmp, path = Path(tmp), Path(path)
+    _fsync_tree(tmp)
+    _swap_directory(tmp, path)
+    return path
 
 
 def _fsync_tree(folder: Path) -> None:

@@ -1,17 +1,18 @@
-"""Training checkpoints: written atomically, found again after a crash, pruned to the last few.
+"""Training checkpoints: accelerate's own state, written atomically, checked before use, pruned.
 
 A checkpoint is a directory ``<output_dir>/checkpoints/step-NNNNNN/`` holding everything a resumed
-run needs to continue *bit for bit* (DESIGN §6 "resume after a crash"): the model weights
-(safetensors), optimizer, scheduler and grad-scaler states, the loop's own state (step, metric
-history) and the RNG states of every process. The directory is built in a temp folder, fsynced and
-renamed into place (``core/io.py: atomic_directory``), so a directory named ``step-*`` is complete
-when written; ``manifest.json`` records each file's size and SHA-256 so that later damage (a disk
-error, a truncating copy, a hand edit) is found before anything is loaded.
+run needs to continue *bit for bit* (DESIGN §6 "resume after a crash"): what ``Accelerator.save_state``
+writes (weights as safetensors, or one shard per process under FSDP; optimizer, scheduler, grad scaler;
+the RNG states of every process) and the loop's own state (step, metric history, process count). Every
+process writes its part into ``.step-NNNNNN.tmp``; once all have, the main process adds
+``manifest.json`` (each file's size and SHA-256, so that later damage — a disk error, a truncating copy,
+a hand edit — is found before anything is loaded), fsyncs and renames it into place
+(``core/io.py: publish_directory``): a directory named ``step-*`` is complete when written.
 
-Resume (`restore_latest`) reads and checks the newest checkpoint completely before touching the model;
-an unusable one is renamed ``step-NNNNNN.corrupt`` (out of the resume and pruning order) with a
-warning, and the next older one is tried. `content_fingerprint` names a run's checkpoint folder by the
-bytes of what it depends on.
+Resume (`restore_latest`) has the main process read and check the newest checkpoint completely before
+any process loads it; an unusable one is renamed ``step-NNNNNN.corrupt`` (out of the resume and pruning
+order) with a warning, and the next older one is tried. `content_fingerprint` names a run's checkpoint
+folder by the bytes of what it depends on.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ import hashlib
 import json
 import logging
 import os
-import random
 import re
 import shutil
 import uuid
@@ -33,36 +33,36 @@ import numpy as np
 import pandas as pd
 import safetensors.torch
 import torch
+from accelerate.utils import broadcast_object_list
 
-from diffusion_gr2.core.io import atomic_directory
+from diffusion_gr2.core.io import publish_directory
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "CheckpointData",
     "CheckpointError",
     "LoopState",
-    "apply_checkpoint",
     "checkpoint_dirs",
     "content_fingerprint",
-    "get_rng_state",
     "latest_checkpoint",
-    "load_checkpoint",
     "prune_checkpoints",
     "read_checkpoint",
     "remove_stale_temp_dirs",
     "restore_latest",
     "save_checkpoint",
-    "set_rng_state",
     "verify_checkpoint",
 ]
 
 _STEP_DIR = re.compile(r"^step-(\d{6,})$")  # temp dirs (".step-*.tmp") never match
 _TEMP_DIR = re.compile(r"^\.step-\d{6,}\.(?:.*\.)?(?:tmp|del-[0-9a-f]+)$")  # a killed write or delete
+# accelerate's file names (accelerate.utils.constants); FSDP writes folders instead of the two files
 MODEL_FILE = "model.safetensors"
+OPTIMIZER_FILE = "optimizer.bin"
+SCHEDULER_FILE = "scheduler.bin"
+FSDP_MODEL_DIR = "pytorch_model_fsdp_0"
+FSDP_OPTIMIZER_DIR = "optimizer_0"
 STATE_FILE = "trainer_state.json"
 MANIFEST_FILE = "manifest.json"
-REQUIRED_FILES = (MODEL_FILE, "optimizer.pt", "scheduler.pt", "rng.pt", STATE_FILE)
 
 
 class CheckpointError(RuntimeError):
@@ -71,11 +71,13 @@ class CheckpointError(RuntimeError):
 
 @dataclass
 class LoopState:
-    """The loop's own progress: optimizer steps done, one metric dict per step, seconds spent."""
+    """The loop's own progress: optimizer steps done, one metric dict per step, seconds spent, and the
+    number of processes that wrote it (accelerate's state is per process: it resumes with as many)."""
 
     step: int = 0
     history: list[dict[str, float]] = field(default_factory=list)
     seconds: float = 0.0
+    world_size: int = 1
 
 
 def checkpoint_dirs(root: str | Path) -> list[tuple[int, Path]]:
@@ -108,68 +110,62 @@ def prune_checkpoints(root: str | Path, keep: int) -> None:
         logger.debug("pruned checkpoint %s", path)
 
 
-def get_rng_state() -> dict[str, Any]:
-    """Python, numpy and torch (CPU + CUDA) RNG states of this process."""
-    state: dict[str, Any] = {
-        "python": random.getstate(),
-        "numpy": np.random.get_state(),
-        "torch": torch.get_rng_state(),
-    }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    """Restore the states captured by :func:`get_rng_state`."""
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
 def _sha256(path: Path) -> str:
     with open(path, "rb") as handle:
         return hashlib.file_digest(handle, "sha256").hexdigest()
 
 
+def _files(folder: Path) -> list[Path]:
+    """Every file under ``folder`` (FSDP shards live in sub-folders), in a stable order."""
+    return sorted(p for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST_FILE)
+
+
 def _write_manifest(folder: Path) -> None:
-    """Size and SHA-256 of every file in ``folder``; written last, so it covers all of them."""
+    """Size and SHA-256 of every file under ``folder``; written last, so it covers all of them."""
     files = {
-        p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)}
-        for p in sorted(folder.iterdir())
-        if p.is_file()
+        p.relative_to(folder).as_posix(): {"bytes": p.stat().st_size, "sha256": _sha256(p)}
+        for p in _files(folder)
     }
     (folder / MANIFEST_FILE).write_text(json.dumps({"files": files}, indent=1), encoding="utf-8")
 
 
-def save_checkpoint(
-    path: str | Path,
-    model: torch.nn.Module,
-    optimizer: Any,
-    scheduler: Any,
-    state: LoopState,
-    rng_states: list[dict[str, Any]],
-    scaler: Any = None,
-) -> Path:
-    """Write one complete checkpoint directory atomically; returns its path.
+def save_checkpoint(path: str | Path, accelerator: Any, state: LoopState) -> Path:
+    """Write one complete checkpoint directory atomically, with every process; returns its path.
 
-    ``rng_states`` holds one entry per process (index = process rank), gathered by the caller so that
-    only the main process writes.
+    ``accelerator`` holds the prepared model, optimizer and scheduler. Every process must call this
+    (each writes its RNG state, and under FSDP its shards); the main process publishes the folder.
     """
-    with atomic_directory(path) as tmp:
-        # save_model (not save_file) handles tied weights such as Qwen3's shared embedding/LM head.
-        safetensors.torch.save_model(model, str(tmp / MODEL_FILE))
-        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
-        torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
-        torch.save(rng_states, tmp / "rng.pt")
-        if scaler is not None:
-            torch.save(scaler.state_dict(), tmp / "scaler.pt")
-        payload = {"step": state.step, "history": state.history, "seconds": state.seconds}
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")  # one name all processes agree on without talking
+    if accelerator.is_main_process:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    accelerator.wait_for_everyone()
+    accelerator.save_state(str(tmp), safe_serialization=True)
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        payload = {
+            "step": state.step,
+            "history": state.history,
+            "seconds": state.seconds,
+            "world_size": accelerator.num_processes,
+        }
         (tmp / STATE_FILE).write_text(json.dumps(payload, allow_nan=True), encoding="utf-8")
         _write_manifest(tmp)
-    return Path(path)
+        publish_directory(tmp, path)
+    accelerator.wait_for_everyone()
+    return path
+
+
+def _required(names: set[str]) -> list[str]:
+    """What a checkpoint must list: the loop state, weights, optimizer, scheduler, RNG states."""
+    missing = [n for n in (STATE_FILE, SCHEDULER_FILE) if n not in names]
+    for file, folder in ((MODEL_FILE, FSDP_MODEL_DIR), (OPTIMIZER_FILE, FSDP_OPTIMIZER_DIR)):
+        if file not in names and not any(n.startswith(folder + "/") for n in names):
+            missing.append(file)
+    if not any(n.startswith("random_states_") for n in names):
+        missing.append("random_states_<process>.pkl")
+    return missing
 
 
 def verify_checkpoint(path: str | Path) -> None:
@@ -182,7 +178,7 @@ def verify_checkpoint(path: str | Path) -> None:
         raise CheckpointError(
             f"{path / MANIFEST_FILE}: unreadable manifest ({type(err).__name__}: {err})"
         ) from None
-    missing = [name for name in REQUIRED_FILES if name not in expected]
+    missing = _required(set(expected))
     if missing:
         raise CheckpointError(f"{path / MANIFEST_FILE}: lists no {missing}")
     for name, (size, digest) in expected.items():
@@ -197,19 +193,6 @@ def verify_checkpoint(path: str | Path) -> None:
             raise CheckpointError(f"{file}: content differs from the manifest's SHA-256 (damaged)")
 
 
-@dataclass
-class CheckpointData:
-    """Everything a checkpoint holds, read and checked, not yet applied to any object."""
-
-    path: Path
-    model: dict[str, torch.Tensor]
-    optimizer: dict[str, Any]
-    scheduler: dict[str, Any]
-    scaler: dict[str, Any] | None
-    rng_states: list[dict[str, Any]]
-    state: LoopState
-
-
 def _read(path: Path, what: str, read: Any) -> Any:
     """``read()``, with any failure turned into a `CheckpointError` naming the file."""
     try:
@@ -220,7 +203,7 @@ def _read(path: Path, what: str, read: Any) -> Any:
 
 def _check_model_keys(path: Path, model: torch.nn.Module, tensors: Mapping[str, torch.Tensor]) -> None:
     """The saved tensors must match the model: no unknown key, no wrong shape, nothing missing except
-    tied aliases (``save_model`` stores one name per shared storage)."""
+    tied aliases (safetensors stores one name per shared storage)."""
     expected = model.state_dict()
     unexpected = sorted(set(tensors) - set(expected))
     shapes = sorted(k for k in tensors if k in expected and tensors[k].shape != expected[k].shape)
@@ -233,61 +216,35 @@ def _check_model_keys(path: Path, model: torch.nn.Module, tensors: Mapping[str, 
         )
 
 
-def read_checkpoint(path: str | Path, model: torch.nn.Module) -> CheckpointData:
-    """Verify and read a checkpoint completely; raises `CheckpointError` and changes nothing if unusable."""
+def read_checkpoint(path: str | Path, model: torch.nn.Module | None = None) -> LoopState:
+    """Verify and read a checkpoint completely, without loading it anywhere; its loop state.
+
+    ``model`` is the prepared model the weights must fit (keys and shapes). Under FSDP the shards are
+    checked by the manifest only (reading them is a collective of every process).
+    """
     path = Path(path)
     verify_checkpoint(path)
-    device = next(model.parameters()).device
-    tensors = _read(
-        path, MODEL_FILE, lambda: safetensors.torch.load_file(path / MODEL_FILE, device=str(device))
-    )
-    _check_model_keys(path, model, tensors)
-
-    def torch_file(name: str, **kwargs: Any) -> Any:
-        return _read(path, name, lambda: torch.load(path / name, **kwargs))
-
+    if (path / MODEL_FILE).is_file():
+        tensors = _read(path, MODEL_FILE, lambda: safetensors.torch.load_file(path / MODEL_FILE))
+        if model is not None:
+            _check_model_keys(path, model, tensors)
+    for name in (OPTIMIZER_FILE, SCHEDULER_FILE):
+        if (path / name).is_file():
+            _read(path, name, lambda name=name: torch.load(path / name, map_location="cpu", weights_only=True))
+    for rng in sorted(path.glob("random_states_*.pkl")):
+        # accelerate's torch.save of the python/numpy/torch RNG states (it loads them the same way)
+        _read(path, rng.name, lambda rng=rng: torch.load(rng, map_location="cpu", weights_only=False))
     payload = _read(path, STATE_FILE, lambda: json.loads((path / STATE_FILE).read_text(encoding="utf-8")))
-    state = _read(
+    return _read(
         path,
         STATE_FILE,
-        lambda: LoopState(int(payload["step"]), list(payload["history"]), float(payload.get("seconds", 0.0))),
+        lambda: LoopState(
+            int(payload["step"]),
+            list(payload["history"]),
+            float(payload.get("seconds", 0.0)),
+            int(payload.get("world_size", 1)),
+        ),
     )
-    return CheckpointData(
-        path=path,
-        model=tensors,
-        optimizer=torch_file("optimizer.pt", map_location=device, weights_only=True),
-        scheduler=torch_file("scheduler.pt", weights_only=True),
-        scaler=torch_file("scaler.pt", weights_only=True) if (path / "scaler.pt").exists() else None,
-        # Our own file: the python/numpy RNG states are tuples with arrays, which weights_only refuses.
-        rng_states=torch_file("rng.pt", weights_only=False),
-        state=state,
-    )
-
-
-def apply_checkpoint(
-    data: CheckpointData, model: torch.nn.Module, optimizer: Any, scheduler: Any, scaler: Any = None
-) -> tuple[LoopState, list[dict[str, Any]]]:
-    """Load checked checkpoint contents into the objects; returns the loop state and per-process RNG states."""
-    model.load_state_dict(data.model, strict=False)  # keys checked in `read_checkpoint` (tied aliases)
-    optimizer.load_state_dict(data.optimizer)
-    scheduler.load_state_dict(data.scheduler)
-    if scaler is not None and data.scaler is not None:
-        scaler.load_state_dict(data.scaler)
-    return data.state, data.rng_states
-
-
-def load_checkpoint(
-    path: str | Path,
-    model: torch.nn.Module,
-    optimizer: Any,
-    scheduler: Any,
-    scaler: Any = None,
-) -> tuple[LoopState, list[dict[str, Any]]]:
-    """Load a checkpoint into the given objects; returns the loop state and the per-process RNG states.
-
-    Raises `CheckpointError` (naming the file) before changing anything when the checkpoint is unusable.
-    """
-    return apply_checkpoint(read_checkpoint(path, model), model, optimizer, scheduler, scaler)
 
 
 def _quarantine(path: Path) -> Path:
@@ -299,32 +256,42 @@ def _quarantine(path: Path) -> Path:
     return target
 
 
-def restore_latest(
-    root: str | Path,
-    model: torch.nn.Module,
-    optimizer: Any,
-    scheduler: Any,
-    scaler: Any = None,
-    quarantine: bool = True,
-) -> tuple[Path, LoopState, list[dict[str, Any]]] | None:
-    """Load the newest usable checkpoint under ``root``; None when there is none.
-
-    A damaged checkpoint never blocks a resume: it is logged, renamed aside (when ``quarantine``:
-    only the main process of a multi-process run renames) and the next older one is tried. Nothing
-    is loaded into the objects until a checkpoint has been read and checked in full.
-    """
+def _newest_usable(root: Path, model: torch.nn.Module | None) -> tuple[Path, LoopState] | None:
+    """The newest checkpoint that reads and checks in full; damaged ones are moved aside on the way."""
     for _, path in reversed(checkpoint_dirs(root)):
         try:
-            data = read_checkpoint(path, model)
+            return path, read_checkpoint(path, model)
         except CheckpointError as err:
-            moved = _quarantine(path) if quarantine else path
-            logger.warning(
-                "unusable checkpoint skipped (%s); moved to %s; trying an older one", err, moved.name
-            )
-            continue
-        state, rng_states = apply_checkpoint(data, model, optimizer, scheduler, scaler)
-        return path, state, rng_states
+            moved = _quarantine(path)
+            logger.warning("unusable checkpoint skipped (%s); moved to %s; trying an older one", err, moved.name)
     return None
+
+
+def restore_latest(root: str | Path, accelerator: Any) -> tuple[Path, LoopState] | None:
+    """Load the newest usable checkpoint under ``root`` into the accelerator's objects; None when none.
+
+    Every process must call this. The main process picks the checkpoint (a damaged one never blocks a
+    resume: it is logged, renamed aside and the next older one is tried) and tells the others; nothing
+    is loaded until it has been read and checked in full. A checkpoint written by another number of
+    processes is refused with a `CheckpointError` (accelerate's state is per process).
+    """
+    choice: list[Any] = [None]
+    if accelerator.is_main_process:
+        model = accelerator._models[0] if accelerator._models else None
+        found = _newest_usable(Path(root), model)
+        choice = [None if found is None else (str(found[0]), found[1])]
+    if accelerator.num_processes > 1:
+        choice = broadcast_object_list(choice)
+    if choice[0] is None:
+        return None
+    path, state = Path(choice[0][0]), choice[0][1]
+    if state.world_size != accelerator.num_processes:
+        raise CheckpointError(
+            f"{path}: written by {state.world_size} process(es), this run has {accelerator.num_processes}: "
+            f"relaunch with {state.world_size}, or set train.resume=false to start this stage afresh"
+        )
+    accelerator.load_state(str(path))
+    return path, state
 
 
 def remove_stale_temp_dirs(root: str | Path) -> list[Path]:

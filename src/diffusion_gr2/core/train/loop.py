@@ -1,22 +1,29 @@
 """The one training loop: SFT, CFT, OPD and RL each contribute a loss function, not a loop (STYLE 3).
 
-Runs on ``accelerate`` (CPU, one GPU, or several processes via ``torchrun``/``accelerate launch``),
-with AdamW and a linear warmup, a tqdm bar, periodic atomic checkpoints and exact resume
-(DESIGN §6). Exactness rests on two rules: ``make_batch(index, model)`` is a pure function of the
-index (and of state restored from the checkpoint: weights and RNG), and every piece of state the next
-step reads — weights, optimizer, scheduler, RNG — is saved at the checkpoint.
+Runs on ``accelerate``: one process (CPU or GPU) or several (``accelerate launch``: DDP, or FSDP
+when its config says so), with AdamW and a linear warmup, a tqdm bar, periodic atomic checkpoints and
+exact resume (DESIGN §6). The loss is what accelerate prepares (`LossModule`): DDP's gradient buckets,
+FSDP's sharding and mixed-precision autocast all wrap the forward every loss runs, whatever model
+methods it calls. Gradient accumulation is accelerate's. Exactness rests on two rules:
+``make_batch(index, model)`` is a pure function of the index (and of state restored from the
+checkpoint: weights and RNG), and every piece of state the next step reads — weights, optimizer,
+scheduler, RNG — is saved at the checkpoint (``Accelerator.save_state``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
 import os
 import random
+import resource
+import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
@@ -24,18 +31,16 @@ import numpy as np
 import torch
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState
-from accelerate.utils import gather_object
+from accelerate.utils import DistributedType, InitProcessGroupKwargs, gather_object
 from tqdm.auto import tqdm
 
 from diffusion_gr2.core.train.checkpoint import (
     LoopState,
     checkpoint_dirs,
-    get_rng_state,
     prune_checkpoints,
     remove_stale_temp_dirs,
     restore_latest,
     save_checkpoint,
-    set_rng_state,
 )
 
 logger = logging.getLogger(__name__)
@@ -83,6 +88,23 @@ class TrainResult:
     history: list[dict[str, float]] = field(default_factory=list)
     resumed_from: int | None = None  # step of the checkpoint the run continued from
     seconds: float = 0.0  # time spent in training steps, those before a resume included
+    processes: int = 1  # how many processes trained (each on its own micro-batches)
+    peak_memory_mb: float = 0.0  # this process's peak resident memory (CPU) or allocated memory (GPU)
+    # Under FSDP the model's own parameters are shards: the full weights, gathered on the main
+    # process (None elsewhere, and whenever the model itself holds them).
+    full_state_dict: dict[str, torch.Tensor] | None = None
+
+
+COLLECTIVE_TIMEOUT_ENV = "DIFFUSION_GR2_COLLECTIVE_TIMEOUT_S"
+
+
+def collective_timeout() -> timedelta:
+    """How long a collective waits for a silent process before the launch fails (default 30 min).
+
+    A dead process is seen at once (its sockets close, and the launcher stops the others); this bounds
+    the wait for one that hangs. Set ``DIFFUSION_GR2_COLLECTIVE_TIMEOUT_S`` to change it.
+    """
+    return timedelta(seconds=float(os.environ.get(COLLECTIVE_TIMEOUT_ENV, "1800")))
 
 
 def seed_everything(seed: int) -> None:
@@ -112,7 +134,7 @@ def _build_optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim
 
 
 def _check_world(accelerator: Accelerator) -> None:
-    """Refuse the torchrun trap: several unsynchronised processes that all think they are main."""
+    """Refuse the torchrun trap: several unsynchronised processes that all think they are alone."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if accelerator.num_processes != world:
         raise RuntimeError(
@@ -121,25 +143,31 @@ def _check_world(accelerator: Accelerator) -> None:
         )
 
 
-def _average_gradients(params: list[torch.nn.Parameter], num_processes: int) -> None:
-    """Mean of the gradients over processes.
-
-    Done by hand because ``loss_fn`` receives the *unwrapped* model (so helpers can read
-    ``model.config`` etc.), and a forward that bypasses the DDP wrapper is never synchronised by DDP.
-    """
-    if num_processes == 1:
-        return
-    for p in params:
-        if p.grad is None:  # a process whose loss had no graph still takes part in the all-reduce
-            p.grad = torch.zeros_like(p)
-        torch.distributed.all_reduce(p.grad, op=torch.distributed.ReduceOp.SUM)
-        p.grad.div_(num_processes)
-
-
 def _mean_metrics(dicts: list[dict[str, float]]) -> dict[str, float]:
     """Key-wise mean of metric dicts (a key missing from some dicts is averaged over those that have it)."""
     keys = sorted({k for d in dicts for k in d})
     return {k: float(np.mean([d[k] for d in dicts if k in d])) for k in keys}
+
+
+class LossModule(torch.nn.Module):
+    """The loss as a module: what accelerate prepares, so DDP, FSDP and autocast wrap its forward.
+
+    ``loss_fn`` may call any method of the model (``base_model``, the LM head, a replay): all of it runs
+    inside this forward, so DDP sees every parameter's gradient and bf16 autocast applies to all of it.
+    A loss without a graph (an RL micro-batch with no kept rollout) becomes a graph-connected zero, so
+    every process still takes part in the gradient all-reduce.
+    """
+
+    def __init__(self, model: torch.nn.Module, loss_fn: LossFn) -> None:
+        super().__init__()
+        self.model = model
+        self._loss_fn = loss_fn
+
+    def forward(self, batch: Any) -> tuple[torch.Tensor, dict[str, float]]:
+        loss, metrics = self._loss_fn(self.model, batch)
+        if torch.is_grad_enabled() and not loss.requires_grad:
+            loss = loss + sum(p.sum() for p in self.parameters() if p.requires_grad) * 0.0
+        return loss, metrics
 
 
 @dataclass
@@ -148,18 +176,19 @@ class _Run:
 
     accelerator: Accelerator
     model: torch.nn.Module  # unwrapped: what make_batch and loss_fn see
+    wrapped: torch.nn.Module  # the prepared LossModule (DDP/FSDP-wrapped, autocast forward)
     optimizer: Any
     scheduler: Any
     config: TrainConfig
-
-    @property
-    def params(self) -> list[torch.nn.Parameter]:
-        return [p for p in self.model.parameters() if p.requires_grad]
 
     def batch_index(self, step: int, micro: int) -> int:
         """Global micro-batch index (0-based), distinct over steps, micro-batches and processes."""
         acc = self.accelerator
         return ((step * self.config.grad_accum) + micro) * acc.num_processes + acc.process_index
+
+    @property
+    def sharded(self) -> bool:
+        return self.accelerator.distributed_type == DistributedType.FSDP
 
 
 def move_to(obj: Any, device: torch.device) -> Any:
@@ -186,22 +215,23 @@ def _holds_tensors(obj: Any) -> bool:
     return isinstance(obj, torch.Tensor | dict | list | tuple) or dataclasses.is_dataclass(obj)
 
 
-def _train_step(run: _Run, step: int, make_batch: MakeBatch, loss_fn: LossFn) -> dict[str, float]:
+def _train_step(run: _Run, step: int, make_batch: MakeBatch) -> dict[str, float]:
     """One optimizer step (0-based ``step``) over ``grad_accum`` micro-batches; returns its metrics."""
     config, acc = run.config, run.accelerator
     micro_metrics: list[dict[str, float]] = []
     for micro in range(config.grad_accum):
-        batch = move_to(make_batch(run.batch_index(step, micro), run.model), acc.device)
-        loss, metrics = loss_fn(run.model, batch)
-        if not torch.isfinite(loss.detach()).all():
-            raise FloatingPointError(f"non-finite loss {loss.item()} at step {step + 1}")
-        if loss.requires_grad:  # e.g. an RL batch whose groups were all dropped has no graph
-            acc.backward(loss / config.grad_accum)
+        # accumulate: no gradient all-reduce until the last micro-batch; backward divides by grad_accum
+        with acc.accumulate(run.wrapped):
+            with acc.autocast():  # rollouts are sampled at the precision the loss scores them at
+                batch = move_to(make_batch(run.batch_index(step, micro), run.model), acc.device)
+            loss, metrics = run.wrapped(batch)
+            if not torch.isfinite(loss.detach()).all():
+                raise FloatingPointError(f"non-finite loss {loss.item()} at step {step + 1}")
+            acc.backward(loss)
         micro_metrics.append({**{k: float(v) for k, v in metrics.items()}, "loss": float(loss.detach())})
-    _average_gradients(run.params, acc.num_processes)
     grad_norm = math.nan
     if config.max_grad_norm > 0:
-        grad_norm = float(acc.clip_grad_norm_(run.params, config.max_grad_norm))
+        grad_norm = float(acc.clip_grad_norm_(run.wrapped.parameters(), config.max_grad_norm))
     lr = run.scheduler.get_last_lr()[0]
     run.optimizer.step()
     run.scheduler.step()
@@ -219,19 +249,10 @@ def _checkpoint_due(step: int, config: TrainConfig) -> bool:
 
 
 def _checkpoint(run: _Run, root: Path, state: LoopState) -> None:
-    """Gather every process's RNG state, let the main process write, then prune old checkpoints."""
+    """Every process writes its part of the state; the main process publishes it and prunes."""
     acc = run.accelerator
-    rng_states = gather_object([get_rng_state()])
+    path = save_checkpoint(root / f"step-{state.step:06d}", acc, state)
     if acc.is_main_process:
-        path = save_checkpoint(
-            root / f"step-{state.step:06d}",
-            run.model,
-            run.optimizer,
-            run.scheduler,
-            state,
-            rng_states,
-            acc.scaler,
-        )
         prune_checkpoints(root, run.config.keep_checkpoints)
         logger.info("checkpoint %s", path)
     acc.wait_for_everyone()
@@ -243,10 +264,8 @@ def _restore(run: _Run, root: Path) -> tuple[LoopState, int | None]:
     acc, config = run.accelerator, run.config
     if acc.is_main_process:
         remove_stale_temp_dirs(root)  # half-written folders of a killed run
-    restored = None
-    if config.resume:
-        args = (run.model, run.optimizer, run.scheduler, acc.scaler)
-        restored = restore_latest(root, *args, quarantine=acc.is_main_process)
+    acc.wait_for_everyone()
+    restored = restore_latest(root, acc) if config.resume else None
     if restored is None:
         if not config.resume and checkpoint_dirs(root) and acc.is_main_process:
             # Stale checkpoints of an earlier run would outrank the new ones at the next resume.
@@ -254,12 +273,7 @@ def _restore(run: _Run, root: Path) -> tuple[LoopState, int | None]:
             prune_checkpoints(root, keep=0)
         acc.wait_for_everyone()
         return LoopState(), None
-    latest, state, rng_states = restored
-    if len(rng_states) == acc.num_processes:
-        set_rng_state(rng_states[acc.process_index])
-    else:  # a different process count cannot replay the same streams; stay deterministic at least
-        logger.warning("checkpoint has %d RNG states for %d processes", len(rng_states), acc.num_processes)
-        seed_everything(config.seed + acc.process_index + state.step)
+    latest, state = restored
     logger.info("resumed from %s (step %d)", latest, state.step)
     return state, state.step
 
@@ -276,30 +290,60 @@ def _log(run: _Run, metrics: dict[str, float], tracker: Tracker | None) -> None:
 
 
 def _make_accelerator(config: TrainConfig) -> Accelerator:
-    """An Accelerator for this run; in a single process, earlier runs' settings do not stick."""
+    """An Accelerator for this stage; earlier stages' settings (precision, accumulation) do not stick."""
     # step_scheduler_with_optimizer=False: otherwise accelerate steps the schedule num_processes
     # times per optimizer step (it assumes a dataloader that shrinks with the process count).
-    kwargs = {"cpu": config.cpu, "mixed_precision": config.mixed_precision}
+    kwargs = {
+        "cpu": config.cpu,
+        "mixed_precision": config.mixed_precision,
+        "gradient_accumulation_steps": config.grad_accum,
+        "step_scheduler_with_optimizer": False,
+        "kwargs_handlers": [InitProcessGroupKwargs(timeout=collective_timeout())],
+    }
     try:
-        return Accelerator(**kwargs, step_scheduler_with_optimizer=False)
+        return Accelerator(**kwargs)
     except ValueError:
         # accelerate's state is a process-wide singleton that refuses new settings (e.g. a bf16 stage
-        # after an fp32 one in one `kedro run`). Without a process group it can safely be rebuilt.
-        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-            raise
-        AcceleratorState._reset_state(reset_partial_state=True)
-        return Accelerator(**kwargs, step_scheduler_with_optimizer=False)
+        # after an fp32 one in one `kedro run`). The process group lives in the partial state, which
+        # is kept when there is one; the stage's settings are rebuilt on top of it.
+        AcceleratorState._reset_state(reset_partial_state=int(os.environ.get("WORLD_SIZE", "1")) <= 1)
+        return Accelerator(**kwargs)
 
 
-def _prepare(model: torch.nn.Module, config: TrainConfig) -> _Run:
+def _prepare(model: torch.nn.Module, loss_fn: LossFn, config: TrainConfig) -> _Run:
     """Accelerator, AdamW, LR schedule, all prepared; the scheduler steps exactly once per step."""
     acc = _make_accelerator(config)
     _check_world(acc)
     seed_everything(config.seed + acc.process_index)
-    optimizer = _build_optimizer(model, config)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: _lr_factor(s, config))
-    wrapped, optimizer, scheduler = acc.prepare(model, optimizer, scheduler)
-    return _Run(acc, acc.unwrap_model(wrapped), optimizer, scheduler, config)
+    module = LossModule(model, loss_fn)
+    if acc.distributed_type == DistributedType.FSDP:
+        # FSDP2 shards the parameters in place: the optimizer must be built on the sharded ones.
+        wrapped = acc.prepare(module)
+        optimizer = _build_optimizer(wrapped, config)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: _lr_factor(s, config))
+        optimizer, scheduler = acc.prepare(optimizer, scheduler)
+    else:
+        optimizer = _build_optimizer(module, config)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: _lr_factor(s, config))
+        wrapped, optimizer, scheduler = acc.prepare(module, optimizer, scheduler)
+    return _Run(acc, acc.unwrap_model(wrapped).model, wrapped, optimizer, scheduler, config)
+
+
+def peak_memory_mb(device: torch.device | None = None) -> float:
+    """This process's peak memory so far: allocated GPU memory on CUDA, resident set size on the CPU."""
+    if device is not None and device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+    return rss / 2**20 if sys.platform == "darwin" else rss / 2**10
+
+
+@contextlib.contextmanager
+def _released(run: _Run) -> Iterator[None]:
+    """Hand the accelerator's references back when the stage ends, so the next stage starts clean."""
+    try:
+        yield
+    finally:
+        run.accelerator.free_memory()
 
 
 def train(
@@ -315,22 +359,28 @@ def train(
     micro-batches and processes; equal to the 0-based step for one process without accumulation). It
     must be a pure function of the index and the seed — it may use the model (OPD/RL rollouts) and the
     global RNG, both restored exactly on resume. ``loss_fn(model, batch) -> (loss, metrics)`` gets the
-    unwrapped model. A run killed mid-way and restarted with ``resume=True`` ends with exactly the
-    weights of an uninterrupted run.
+    unwrapped model and runs inside the prepared module's forward. A run killed mid-way and restarted
+    with ``resume=True`` ends with exactly the weights of an uninterrupted run.
     """
-    run = _prepare(model, config)
+    run = _prepare(model, loss_fn, config)
+    with _released(run):
+        return _train(run, make_batch, config, tracker)
+
+
+def _train(run: _Run, make_batch: MakeBatch, config: TrainConfig, tracker: Tracker | None) -> TrainResult:
+    acc = run.accelerator
     root = Path(config.output_dir) / "checkpoints"
     state, resumed_from = _restore(run, root)
-    run.model.train()
+    run.wrapped.train()
     bar = tqdm(
         total=config.max_steps,
         initial=state.step,
         desc="train",
-        disable=not (config.progress and run.accelerator.is_local_main_process),
+        disable=not (config.progress and acc.is_local_main_process),
     )
     for step in range(state.step, config.max_steps):
         started = time.perf_counter()
-        metrics = _train_step(run, step, make_batch, loss_fn)
+        metrics = _train_step(run, step, make_batch)
         state.seconds += time.perf_counter() - started  # saved with the checkpoint: survives a resume
         state.step = step + 1
         state.history.append(metrics)
@@ -340,5 +390,18 @@ def train(
         if _checkpoint_due(state.step, config):
             _checkpoint(run, root, state)
     bar.close()
+    full = None
+    if run.sharded:  # a collective: every process takes part, the main process keeps the result
+        gathered = acc.get_state_dict(run.wrapped)
+        full = {k.removeprefix("model."): v for k, v in gathered.items()} if acc.is_main_process else None
     final = state.history[-1] if state.history else {}
-    return TrainResult(state.step, dict(final), list(state.history), resumed_from, state.seconds)
+    return TrainResult(
+        state.step,
+        dict(final),
+        list(state.history),
+        resumed_from,
+        state.seconds,
+        acc.num_processes,
+        peak_memory_mb(acc.device),
+        full,
+    )
