@@ -75,4 +75,6 @@ def test_sigkill_mid_checkpoint_then_damaged_newest_resumes_to_the_same_weights(
     assert all(torch.equal(expected[k], got[k]) for k in expected), "resumed weights differ"
     saved = safetensors.torch.load_file(checkpoints / "step-000006" / "model.safetensors")
     first = {k.removeprefix("model."): v for k, v in saved.items()}  # the loop saves its LossModule
-    assert not all(torch.equal(first[k], got[k]) for k in got.keys() & first.keys())  # training did move the weights
+    assert not all(
+        torch.equal(first[k], got[k]) for k in got.keys() & first.keys()
+    )  # training did move the weights

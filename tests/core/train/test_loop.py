@@ -106,7 +106,13 @@ def test_checkpoints_are_pruned_and_temp_dirs_ignored(tmp_path: Path) -> None:
     assert [s for s, _ in checkpoint_dirs(root)] == [6, 7]  # final step always saved, 2 kept
     assert latest_checkpoint(root) == root / "step-000007"
     files = {p.name for p in (root / "step-000007").iterdir()}
-    assert {"model.safetensors", "optimizer.bin", "scheduler.bin", "random_states_0.pkl", "trainer_state.json"} <= files
+    assert {
+        "model.safetensors",
+        "optimizer.bin",
+        "scheduler.bin",
+        "random_states_0.pkl",
+        "trainer_state.json",
+    } <= files
     again = train(_mlp(0), _make_batch, _mse_loss(), cfg)  # resume=False starts over
     assert again.resumed_from is None and len(again.history) == 7
     done = train(_mlp(0), _make_batch, _mse_loss(), replace(cfg, resume=True))  # nothing left to do

@@ -230,7 +230,9 @@ def read_checkpoint(path: str | Path, model: torch.nn.Module | None = None) -> L
             _check_model_keys(path, model, tensors)
     for name in (OPTIMIZER_FILE, SCHEDULER_FILE):
         if (path / name).is_file():
-            _read(path, name, lambda name=name: torch.load(path / name, map_location="cpu", weights_only=True))
+            _read(
+                path, name, lambda name=name: torch.load(path / name, map_location="cpu", weights_only=True)
+            )
     for rng in sorted(path.glob("random_states_*.pkl")):
         # accelerate's torch.save of the python/numpy/torch RNG states (it loads them the same way)
         _read(path, rng.name, lambda rng=rng: torch.load(rng, map_location="cpu", weights_only=False))
@@ -263,7 +265,9 @@ def _newest_usable(root: Path, model: torch.nn.Module | None) -> tuple[Path, Loo
             return path, read_checkpoint(path, model)
         except CheckpointError as err:
             moved = _quarantine(path)
-            logger.warning("unusable checkpoint skipped (%s); moved to %s; trying an older one", err, moved.name)
+            logger.warning(
+                "unusable checkpoint skipped (%s); moved to %s; trying an older one", err, moved.name
+            )
     return None
 
 
