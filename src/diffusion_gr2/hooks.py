@@ -25,6 +25,23 @@ from diffusion_gr2.core.tracking.lineage import (
 logger = logging.getLogger(__name__)
 
 
+class LaunchHooks:
+    """Refuse a plain ``kedro run`` started as several processes (``torchrun -m kedro run``): each would
+    run every node and write every output. Such launches go through ``-m diffusion_gr2 run``."""
+
+    @hook_impl
+    def before_pipeline_run(self, run_params: dict[str, Any]) -> None:
+        from diffusion_gr2.runner import RankAwareRunner, launch_size
+
+        runner = str(run_params.get("runner", ""))
+        if launch_size() > 1 and RankAwareRunner.__name__ not in runner:
+            raise RuntimeError(
+                f"this is one of {launch_size()} processes (WORLD_SIZE) but the runner is {runner}: launch "
+                "with `accelerate launch [--config_file conf/accelerate/X.yaml] -m diffusion_gr2 run ...` "
+                "(docs/distributed.md)"
+            )
+
+
 class LineageHooks:
     """Tags each run with git commit, DVC hashes, pipeline and environment (DESIGN §9)."""
 

@@ -7,11 +7,21 @@ import os
 from kedro.config import OmegaConfigLoader
 
 from diffusion_gr2.core.env import quiet_offline_environment
-from diffusion_gr2.hooks import BoundarySchemaHooks, LineageHooks, NodeLineageHooks, NodeTimingHooks
+from diffusion_gr2.hooks import (
+    BoundarySchemaHooks,
+    LaunchHooks,
+    LineageHooks,
+    NodeLineageHooks,
+    NodeTimingHooks,
+)
 
 quiet_offline_environment()
 
-HOOKS = (LineageHooks(), NodeLineageHooks(), BoundarySchemaHooks(), NodeTimingHooks())
+HOOKS = (LaunchHooks(), LineageHooks(), NodeLineageHooks(), BoundarySchemaHooks(), NodeTimingHooks())
+
+# In a launch of several processes only rank 0 talks to MLflow: one kedro-mlflow run per launch, and
+# no race between processes creating the store (docs/distributed.md).
+DISABLE_HOOKS_FOR_PLUGINS = ("kedro_mlflow", "kedro-mlflow") if int(os.environ.get("RANK", "0")) > 0 else ()
 
 CONFIG_LOADER_CLASS = OmegaConfigLoader
 CONFIG_LOADER_ARGS = {

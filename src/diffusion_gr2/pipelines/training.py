@@ -28,6 +28,21 @@ from diffusion_gr2.core.train.stages import (
 )
 
 
+def launch_processes() -> int:
+    """Processes of this launch (``accelerate launch`` sets WORLD_SIZE); the loop checks accelerate agrees."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def refuse_rollouts_under_fsdp(stage: str) -> None:
+    """RL and OPD decode rollouts with the model between training steps, which FSDP's shards do not
+    allow yet: say so before any work, instead of failing inside the first rollout."""
+    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
+        raise RuntimeError(
+            f"{stage}: rollout stages do not run under FSDP yet; launch them with the DDP config "
+            "(conf/accelerate/ddp.yaml) or train the model with them on fewer, larger GPUs (docs/distributed.md)"
+        )
+
+
 def fingerprint(params: dict[str, Any], model: torch.nn.Module, *frames: pd.DataFrame) -> str:
     """Hash of what a training run depends on, so a resume never picks up another run's checkpoint."""
     return content_fingerprint(params, model, *frames)
@@ -41,24 +56,31 @@ def train_stage(
     params: dict[str, Any],
     *frames: pd.DataFrame,
     summarise: Callable[[list[dict[str, float]]], dict[str, float]] | None = None,
-) -> dict[str, Any]:
-    """Train ``model`` in place on the shared loop; checkpoints live under a fingerprinted folder.
+) -> tuple[torch.nn.Module, dict[str, Any]]:
+    """Train ``model`` on the shared loop; the trained model and the stage's summary.
 
-    ``summarise(history)`` adds run-wide figures to the summary (the final step's metrics are there
-    anyway).
+    Checkpoints live under a fingerprinted folder. ``summarise(history)`` adds run-wide figures to the
+    summary (the final step's metrics are there anyway). The model is trained in place, except under
+    FSDP, where its parameters end as shards: a fresh model with the gathered weights is returned.
     """
     run_dir = Path(params["checkpoint_root"]) / stage / fingerprint(params, model, *frames)
     config = TrainConfig(output_dir=str(run_dir), **params["train"])
     start = time.perf_counter()
     result = train(model, make_batch, loss_fn, config, MlflowTracker(stage))
+    if result.full_state_dict is not None:
+        model = type(model)(model.config)
+        model.load_state_dict(result.full_state_dict, strict=False)  # tied weights are stored once
     model.eval()
-    return {
+    return model, {
         **{f"final_{k}": v for k, v in result.final_metrics.items()},
         "steps": result.steps,
         "resumed_from_step": result.resumed_from or 0,
         # every step's time, steps run before a resume included; run_seconds is this call alone
         "train_seconds": round(result.seconds, 1),
         "run_seconds": round(time.perf_counter() - start, 1),
+        "processes": result.processes,
+        # this process's peak (the main one's): GPU memory allocated on CUDA, resident memory on the CPU
+        "peak_memory_mb": round(result.peak_memory_mb, 1),
         **(summarise(result.history) if summarise is not None else {}),
     }
 
@@ -89,7 +111,7 @@ def train_supervised(
     config = SupervisedConfig(**params["supervised"], block_size=policy_block_size(model))
     make_batch = example_batches(sft_examples, tokenizer.pad_token_id, config)
     loss_fn = supervised_loss(config, tokenizer.mask_token_id)
-    return model, train_stage(params["stage"], model, make_batch, loss_fn, params, sft_examples)
+    return train_stage(params["stage"], model, make_batch, loss_fn, params, sft_examples)
 
 
 def train_policy_rl(
@@ -100,6 +122,7 @@ def train_policy_rl(
     Each rollout batch trains `grpo.ppo_epochs` x `grpo.mini_batches` optimiser steps (`train.max_steps`
     counts optimiser steps); checkpoints must fall between rollout batches so a resume is exact.
     """
+    refuse_rollouts_under_fsdp(params["stage"])
     train_requests = requests[requests["split"] == "train"].reset_index(drop=True)
     rollout, grpo = RolloutConfig(**params["rollout"]), GRPOConfig(**params["grpo"])
     every = params["train"].get("checkpoint_every", TrainConfig.checkpoint_every)
@@ -107,12 +130,10 @@ def train_policy_rl(
         raise ValueError(
             f"train.checkpoint_every ({every}) must be a multiple of the {grpo.updates} updates per rollout batch"
         )
-    # the loop checks that accelerate runs exactly WORLD_SIZE processes; each samples its own rollouts
-    processes = int(os.environ.get("WORLD_SIZE", "1"))
+    # each process samples its own shares of a step's rollout batch (the global batch stays the same)
     grad_accum = params["train"].get("grad_accum", TrainConfig.grad_accum)
-    make_batch = rl_batches(tokenizer, train_requests, rollout, grpo, grad_accum, processes)
+    make_batch = rl_batches(tokenizer, train_requests, rollout, grpo, grad_accum, launch_processes())
     loss_fn = rl_loss(tokenizer.pad_token_id, grpo)
-    summary = train_stage(
+    return train_stage(
         params["stage"], model, make_batch, loss_fn, params, train_requests, summarise=rl_diagnostics
     )
-    return model, summary

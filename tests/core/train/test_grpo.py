@@ -123,11 +123,12 @@ def _ar_logprobs(model: torch.nn.Module) -> torch.Tensor:
 
 
 def _rounds(rewards: torch.Tensor):
-    """``sample_round`` that scores the fixed rollouts with ``rewards`` [2, 4], and the ids it was asked for."""
-    asked: list[int] = []
+    """``sample_share`` that scores the fixed rollouts with ``rewards`` [2, 4], and the (round, share)
+    pairs it was asked for."""
+    asked: list[tuple[int, int]] = []
 
-    def sample_round(round_id: int, model: torch.nn.Module):
-        asked.append(round_id)
+    def sample_round(round_no: int, share: int, shares: int, model: torch.nn.Module):
+        asked.append((round_no, share))
         return make_round(model, _ar_logits, ROLLOUTS, ROLLOUTS, MASK, rewards)
 
     return sample_round, asked
@@ -146,7 +147,7 @@ def test_reused_rollouts_move_the_ratio_and_the_clip_acts(tmp_path: Path) -> Non
     )
     history = train(model, reuse_batches(sample_round, config), grpo_loss(_ar_logits, config), cfg).history
     after = _ar_logprobs(model).sum(dim=1)
-    assert asked == [0]  # one rollout batch, sampled once, trained 4 epochs x 2 mini-batches
+    assert asked == [(0, 0)]  # one rollout batch, sampled once, trained 4 epochs x 2 mini-batches
     first, later = history[0], history[1:]
     # The first update is on-policy: the ratio is 1 (same forward as the old log-probs), nothing clips.
     assert first["ratio_mean"] == pytest.approx(1.0, abs=1e-6)
@@ -157,7 +158,7 @@ def test_reused_rollouts_move_the_ratio_and_the_clip_acts(tmp_path: Path) -> Non
     assert after[0] > before[0] and after[3] < before[3]
 
 
-def test_schedule_splits_each_round_over_updates_micro_batches_and_processes() -> None:
+def test_schedule_splits_each_round_over_updates_and_shares() -> None:
     model = _tiny_policy()
     rewards = torch.tensor([[1.0, 0.3, -0.2, -1.0], [0.5, 0.5, 0.5, 0.5]])  # group 2 is dropped
     sample_round, asked = _rounds(rewards)
@@ -168,16 +169,50 @@ def test_schedule_splits_each_round_over_updates_micro_batches_and_processes() -
     batches = [
         make_batch((s * accum + m) * processes + process, model) for s in range(8) for m in range(accum)
     ]
-    assert asked == [process, processes + process]  # round ids distinct over processes
+    # each round is 6 shares (2 micro-batches x 3 processes); process 1 holds shares 1 and 4
+    assert asked == [(0, 1), (0, 4), (1, 1), (1, 4)]
     per_step = [batches[i : i + accum] for i in range(0, len(batches), accum)]
     for step, (a, b) in enumerate(per_step):
-        assert (a.epoch, a.token_norm) == (step % 4 // 2, (len(a.rows) + len(b.rows)) * 4 / accum)
-    for epoch in range(4):  # every kept rollout once per epoch, over its two mini-batches
-        rows = sorted(r for b in batches[4 * epoch : 4 * epoch + 4] for r in b.rows)
-        assert rows == [0, 1, 2, 3]
+        # one normaliser for the step (no other process here: its own shares' tokens), per share
+        assert a.epoch == step % 4 // 2 and a.token_norm == b.token_norm == (len(a.rows) + len(b.rows)) * 4 / 6
+    for epoch in range(4):  # every kept rollout of each share once per epoch, over its two mini-batches
+        for micro in range(accum):
+            rows = sorted(r for b in batches[4 * epoch + micro : 4 * epoch + 4 : accum] for r in b.rows)
+            assert rows == [0, 1, 2, 3]
     fresh = reuse_batches(sample_round, config, grad_accum=accum)
     with pytest.raises(RuntimeError, match="first update"):
         fresh(2 * accum, model)  # step 2: a resume inside round 0 cannot rebuild it
+
+
+def test_shares_are_the_same_whatever_the_split_between_processes_and_accumulation() -> None:
+    """Two processes (grad_accum 1) see exactly the batches one process sees with grad_accum 2."""
+    model = _tiny_policy()
+    lengths = torch.tensor([4, 1, 3, 2, 4, 2, 1, 4])
+    mask = torch.arange(4)[None, :] < lengths[:, None]
+    config = GRPOConfig(ppo_epochs=1, mini_batches=2)
+
+    def sample_share(round_no: int, share: int, shares: int, policy: torch.nn.Module):
+        rewards = torch.tensor([[1.0, 0.3, -0.2, -1.0], [0.5, 0.0, 0.2, -1.0]]) * (1 + share + round_no)
+        return make_round(policy, _ar_logits, ROLLOUTS, ROLLOUTS, mask if share else ~mask, rewards)
+
+    one = reuse_batches(sample_share, config, grad_accum=2)
+    whole = [one(i, model) for i in range(4)]  # 2 steps x 2 micro-batches
+    counts: dict[int, float] = {}  # each process's own token count at its latest update
+
+    def sums(process: int):  # the other process's count, as the all-reduce would add it
+        return lambda value: value + counts.get(1 - process, 0.0)
+
+    two = [reuse_batches(sample_share, config, num_processes=2, sum_over_processes=sums(p)) for p in (0, 1)]
+    split = []
+    for i in range(4):  # the two processes' micro-batches in step order
+        batch = two[i % 2](i, model)
+        counts[i % 2] = float(batch.round.mask[batch.rows].sum())
+        split.append((i, batch))
+    by_index = dict(split)
+    for i, batch in enumerate(whole):
+        assert by_index[i].rows == batch.rows and torch.equal(by_index[i].round.mask, batch.round.mask)
+    # process 1 ran second, so its normaliser saw both counts: the one-process step's normaliser
+    assert by_index[1].token_norm == whole[1].token_norm and by_index[3].token_norm == whole[3].token_norm
 
 
 def _grads(model: torch.nn.Module, batches: list[GRPOBatch], config: GRPOConfig) -> list[torch.Tensor]:
@@ -190,21 +225,32 @@ def _grads(model: torch.nn.Module, batches: list[GRPOBatch], config: GRPOConfig)
 
 
 def test_grad_accum_keeps_one_token_normalisation_over_the_step() -> None:
+    """Shares of unequal token counts: the step's gradient is the token-level mean over all of them."""
     model = _tiny_policy(1)
-    lengths = torch.tensor([4, 1, 3, 2, 4, 2, 1, 4])  # 21 tokens: the two micro-batches hold unequal counts
-    mask = torch.arange(4)[None, :] < lengths[:, None]
+    lengths = torch.tensor([4, 1, 3, 2, 4, 2, 1, 4])  # 21 tokens in share 0, 11 in share 1
+    masks = [torch.arange(4)[None, :] < lengths[:, None], torch.arange(4)[None, :] < (lengths[:, None] // 2)]
     config = GRPOConfig()
 
-    def sample_round(round_id: int, policy: torch.nn.Module):
-        return make_round(policy, _ar_logits, ROLLOUTS, ROLLOUTS, mask, REWARDS)
+    def sample_share(round_no: int, share: int, shares: int, policy: torch.nn.Module):
+        return make_round(policy, _ar_logits, ROLLOUTS, ROLLOUTS, masks[share], REWARDS)
 
-    whole = reuse_batches(sample_round, config, grad_accum=1)(0, model)
-    split = reuse_batches(sample_round, config, grad_accum=2)
+    split = reuse_batches(sample_share, config, grad_accum=2)
     parts = [split(0, model), split(1, model)]
-    assert len(parts[0].rows) == len(parts[1].rows) == 4
-    assert float(mask[parts[0].rows].sum()) != float(mask[parts[1].rows].sum())
-    for g_split, g_whole in zip(_grads(model, parts, config), _grads(model, [whole], config), strict=True):
-        torch.testing.assert_close(g_split, g_whole, atol=1e-7, rtol=1e-5)
+    total = float(masks[0].sum() + masks[1].sum())
+    assert parts[0].token_norm == parts[1].token_norm == total / 2
+
+    # the same step by hand: every token of both shares, summed, over the step's token count
+    model.zero_grad(set_to_none=False)
+    for part in parts:
+        new = token_logprobs(_ar_logits(model, ROLLOUTS, part.rows), ROLLOUTS[part.rows])
+        loss, _ = policy_loss(
+            new, part.round.old_logprobs[part.rows], part.round.advantages[part.rows],
+            part.round.mask[part.rows], config.clip_low, config.clip_high, token_norm=total,
+        )  # fmt: skip
+        loss.backward()
+    by_hand = [p.grad.clone() for p in model.parameters()]
+    for g_split, g_hand in zip(_grads(model, parts, config), by_hand, strict=True):
+        torch.testing.assert_close(g_split, g_hand, atol=1e-7, rtol=1e-5)
 
 
 def test_zero_variance_groups_contribute_no_gradient() -> None:
@@ -213,7 +259,7 @@ def test_zero_variance_groups_contribute_no_gradient() -> None:
 
     def batch_of(rewards: torch.Tensor, rows: int = 8) -> GRPOBatch:
         rnd = make_round(model, _ar_logits, ROLLOUTS[:rows], ROLLOUTS[:rows], MASK[:rows], rewards)
-        return reuse_batches(lambda i, m: rnd, config)(0, model)
+        return reuse_batches(lambda r, s, n, m: rnd, config)(0, model)
 
     flat = batch_of(torch.tensor([[0.5, 0.5, 0.5, 0.5], [-1.0, -1.0, -1.0, -1.0]]))
     assert flat.rows == [] and flat.round.metrics["kept_groups"] == 0.0

@@ -212,58 +212,72 @@ class GRPOBatch:
 
     round: GRPORound
     rows: list[int]  # rollouts of the round in this micro-batch (kept groups only)
-    token_norm: float  # tokens of the whole optimiser step / grad_accum (the loop divides by grad_accum)
+    token_norm: float  # tokens of the whole optimiser step / its shares (the loop divides by as many)
     epoch: int  # 0-based pass over the round
 
 
 def _split_rows(
-    keep: torch.Tensor, config: GRPOConfig, grad_accum: int, seed: int, round_id: int, epoch: int
-) -> list[list[list[int]]]:
-    """Kept rollouts shuffled for `epoch`: [mini-batch][micro-batch] -> row indices."""
+    keep: torch.Tensor, config: GRPOConfig, seed: int, round_id: int, epoch: int
+) -> list[list[int]]:
+    """Kept rollouts shuffled for `epoch`: [mini-batch] -> row indices."""
     kept = torch.nonzero(keep).squeeze(1).numpy()
     order = np.random.default_rng([seed, round_id, epoch]).permutation(kept)
-    return [
-        [part.tolist() for part in np.array_split(mini, grad_accum)]
-        for mini in np.array_split(order, config.mini_batches)
-    ]
+    return [mini.tolist() for mini in np.array_split(order, config.mini_batches)]
+
+
+SampleShare = Callable[[int, int, int, torch.nn.Module], GRPORound]
 
 
 def reuse_batches(
-    sample_round: Callable[[int, torch.nn.Module], GRPORound],
+    sample_share: SampleShare,
     config: GRPOConfig,
     grad_accum: int = 1,
     num_processes: int = 1,
     seed: int = 0,
+    sum_over_processes: Callable[[float], float] = float,
 ) -> Callable[[int, torch.nn.Module], GRPOBatch]:
-    """``make_batch`` for the shared loop: every round trains ``config.updates`` optimiser steps.
+    """``make_batch`` for the shared loop: every rollout batch trains ``config.updates`` optimiser steps.
 
-    ``sample_round(round_id, model)`` samples round ``round_id`` with the current weights. The loop's
-    micro-batch index is ``(step * grad_accum + micro) * num_processes + process``; each process
-    samples its own rounds (ids distinct over processes). The micro-batches of one optimiser step
-    split one mini-batch, normalised by that mini-batch's token count. A round is sampled at its first
-    micro-batch and kept until the next; a run resumed in the middle of a round cannot rebuild it
-    (the weights that sampled it are gone), so checkpoints must fall on round boundaries.
+    A step's rollout batch is split into ``grad_accum x num_processes`` shares, one per micro-batch
+    slot of the step: the loop's micro-batch index is ``(step * grad_accum + micro) * num_processes +
+    process``, and its slot ``index % shares``. ``sample_share(round_no, share, shares, model)`` samples
+    share ``share`` of rollout batch ``round_no`` with the current weights, each from its own requests
+    and seed, so the rollouts, their groups and the gradient are the same however the shares are laid
+    out: two processes give what one process with ``grad_accum: 2`` gives. A process samples all its
+    shares of a round at the round's first micro-batch and keeps them until the next round; a run
+    resumed in the middle of a round cannot rebuild it (the weights that sampled it are gone), so
+    checkpoints must fall on round boundaries. Each update takes one mini-batch of every share,
+    normalised by the tokens of the whole step (``sum_over_processes`` adds the other processes'
+    counts: DAPO's token-level mean over the step, not a mean of per-share means).
     """
-    cache: dict[int, GRPORound] = {}
+    shares = grad_accum * num_processes
+    held: dict[int, GRPORound] = {}  # share -> its rollouts, for the current round only
+    norms: dict[int, float] = {}  # update -> the step's token count over every share
+    current = [-1]
+
+    def rows_of(share: int, round_no: int, epoch: int, mini: int) -> list[int]:
+        return _split_rows(held[share].keep, config, seed, round_no * shares + share, epoch)[mini]
 
     def make_batch(index: int, model: torch.nn.Module) -> GRPOBatch:
-        process, local = index % num_processes, index // num_processes
-        step, micro = divmod(local, grad_accum)
+        step, share = divmod(index, shares)
+        micro, process = divmod(share, num_processes)
         round_no, update = divmod(step, config.updates)
         epoch, mini = divmod(update, config.mini_batches)
-        round_id = round_no * num_processes + process
-        if round_id not in cache:
+        if current[0] != round_no:
             if update or micro:
                 raise RuntimeError(
-                    f"rollout batch {round_id} must be sampled at its first update, not at update {update} "
+                    f"rollout batch {round_no} must be sampled at its first update, not at update {update} "
                     f"(micro-batch {micro}): resume only from checkpoints at multiples of {config.updates} steps"
                 )
-            cache.clear()
-            cache[round_id] = sample_round(round_id, model)
-        rnd = cache[round_id]
-        parts = _split_rows(rnd.keep, config, grad_accum, seed, round_id, epoch)[mini]
-        step_tokens = float(rnd.mask[sum(parts, [])].sum())
-        return GRPOBatch(rnd, parts[micro], step_tokens / grad_accum, epoch)
+            held.clear()
+            norms.clear()
+            current[0] = round_no
+            for mine in range(process, shares, num_processes):  # this process's slots
+                held[mine] = sample_share(round_no, mine, shares, model)
+        if update not in norms:  # at micro-batch 0 of the update, on every process at once
+            local = sum(float(held[s].mask[rows_of(s, round_no, epoch, mini)].sum()) for s in held)
+            norms[update] = sum_over_processes(local)
+        return GRPOBatch(held[share], rows_of(share, round_no, epoch, mini), norms[update] / shares, epoch)
 
     return make_batch
 

@@ -90,8 +90,8 @@ class TrainResult:
     seconds: float = 0.0  # time spent in training steps, those before a resume included
     processes: int = 1  # how many processes trained (each on its own micro-batches)
     peak_memory_mb: float = 0.0  # this process's peak resident memory (CPU) or allocated memory (GPU)
-    # Under FSDP the model's own parameters are shards: the full weights, gathered on the main
-    # process (None elsewhere, and whenever the model itself holds them).
+    # Under FSDP the model's own parameters end as shards: the full weights, gathered on every
+    # process (None whenever the model itself holds them).
     full_state_dict: dict[str, torch.Tensor] | None = None
 
 
@@ -391,9 +391,11 @@ def _train(run: _Run, make_batch: MakeBatch, config: TrainConfig, tracker: Track
             _checkpoint(run, root, state)
     bar.close()
     full = None
-    if run.sharded:  # a collective: every process takes part, the main process keeps the result
-        gathered = acc.get_state_dict(run.wrapped)
-        full = {k.removeprefix("model."): v for k, v in gathered.items()} if acc.is_main_process else None
+    if run.sharded:  # an all-gather: every process ends with the full weights, on the CPU
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        gathered = get_model_state_dict(run.wrapped, options=StateDictOptions(full_state_dict=True))
+        full = {k.removeprefix("model."): v.detach().cpu() for k, v in gathered.items()}
     final = state.history[-1] if state.history else {}
     return TrainResult(
         state.step,

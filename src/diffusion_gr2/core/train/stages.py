@@ -302,6 +302,31 @@ def request_sampler(requests: pd.DataFrame, per_step: int, seed: int) -> Callabl
     return lambda index: requests.iloc[rows_of(index)]
 
 
+def share_sampler(
+    requests: pd.DataFrame, per_step: int, shares: int, seed: int
+) -> Callable[[int, int], pd.DataFrame]:
+    """``take(step, share)``: share ``share`` of step ``step``'s ``per_step`` requests (whole requests,
+    so a group of rollouts is never split), the same requests however the shares are laid out."""
+    if per_step % shares:
+        raise ValueError(
+            f"rollout.prompts_per_step ({per_step}) must be a multiple of grad_accum x processes ({shares}): "
+            "each micro-batch slot of a step samples its own whole requests"
+        )
+    take, size = request_sampler(requests, per_step, seed), per_step // shares
+    return lambda step, share: take(step).iloc[share * size : (share + 1) * size]
+
+
+def sum_over_processes(value: float) -> float:
+    """``value`` summed over the processes of a launch (itself in one process): a collective."""
+    if not torch.distributed.is_available() or not torch.distributed.is_initialized():
+        return float(value)
+    from accelerate.state import PartialState  # the device the process group's backend reduces on
+
+    total = torch.tensor([float(value)], dtype=torch.float64, device=PartialState().device)
+    torch.distributed.all_reduce(total)
+    return float(total.item())
+
+
 def rl_batches(
     tokenizer: PreTrainedTokenizerBase,
     requests: pd.DataFrame,
@@ -311,14 +336,19 @@ def rl_batches(
     num_processes: int = 1,
 ) -> Callable:
     """``make_batch``: G rollouts per request, rewards, group advantages, old log-probs (DAPO), each
-    rollout batch reused for ``grpo.updates`` optimiser steps (``grpo.reuse_batches``)."""
-    take = request_sampler(requests, config.prompts_per_step, config.seed)
+    rollout batch reused for ``grpo.updates`` optimiser steps (``grpo.reuse_batches``).
+
+    ``rollout.prompts_per_step`` is the whole step's rollout batch, shared out over the micro-batch
+    slots of the step (``grad_accum x processes``): each process samples its own shares, and the
+    global batch stays the same whatever the number of processes.
+    """
+    shares = grad_accum * num_processes
+    take = share_sampler(requests, config.prompts_per_step, shares, config.seed)
     logits_fn = _rollout_logits_fn(tokenizer.pad_token_id)
 
-    def sample_round(round_id: int, model: PreTrainedModel) -> GRPORound:
-        rollouts = sample_rollouts(
-            model, tokenizer, take(round_id), config, seed=config.seed * 1_000_003 + round_id
-        )
+    def sample_share(round_no: int, share: int, shares: int, model: PreTrainedModel) -> GRPORound:
+        seed = config.seed * 1_000_003 + round_no * shares + share
+        rollouts = sample_rollouts(model, tokenizer, take(round_no, share), config, seed=seed)
         batch = rollouts.token_batch(tokenizer.pad_token_id)
         recorded = torch.nn.utils.rnn.pad_sequence(
             [torch.tensor(o.token_logprobs, dtype=torch.float32) for o in rollouts.outputs], batch_first=True
@@ -336,7 +366,7 @@ def rl_batches(
             grpo.recompute_old_logprobs,
         )
 
-    return reuse_batches(sample_round, grpo, grad_accum, num_processes, config.seed)
+    return reuse_batches(sample_share, grpo, grad_accum, num_processes, config.seed, sum_over_processes)
 
 
 def _rollout_logits_fn(pad_id: int) -> LogitsFn:
@@ -382,16 +412,24 @@ def opd_batches(
     tokenizer: PreTrainedTokenizerBase,
     requests: pd.DataFrame,
     config: RolloutConfig,
+    grad_accum: int = 1,
+    num_processes: int = 1,
 ) -> Callable:
-    """``make_batch``: student rollouts scored once by the frozen AR teacher (one causal forward)."""
+    """``make_batch``: student rollouts scored once by the frozen AR teacher (one causal forward).
+
+    As in RL, ``rollout.prompts_per_step`` is the whole step's batch, shared out over the step's
+    ``grad_accum x processes`` micro-batch slots.
+    """
     if config.constrained:  # a masked student puts zero mass where the teacher may not: KL is infinite
         raise ValueError("OPD rollouts must be unconstrained (rollout.constrained: false)")
-    take = request_sampler(requests, config.prompts_per_step, config.seed)
+    shares = grad_accum * num_processes
+    take = share_sampler(requests, config.prompts_per_step, shares, config.seed)
     pad_id = tokenizer.pad_token_id
 
     def make_batch(index: int, student: PreTrainedModel) -> OPDBatch:
+        step, share = divmod(index, shares)
         rollouts = sample_rollouts(
-            student, tokenizer, take(index), config, seed=config.seed * 1_000_003 + index
+            student, tokenizer, take(step, share), config, seed=config.seed * 1_000_003 + index
         )
         teacher.to(student.device)  # in place; a no-op once it is there
         batch = move_to(rollouts.token_batch(pad_id), student.device)

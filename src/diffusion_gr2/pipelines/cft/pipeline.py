@@ -3,6 +3,7 @@
 from kedro.pipeline import Node, Pipeline
 
 from diffusion_gr2.pipelines.training import train_supervised
+from diffusion_gr2.runner import ALL_RANKS
 
 
 def create_pipeline(**kwargs) -> Pipeline:
@@ -13,6 +14,7 @@ def create_pipeline(**kwargs) -> Pipeline:
                 ["model_naive", "sft_examples", "tokenizer", "params:cft"],
                 ["model_cft", "cft_summary"],
                 name="train_cft",
+                tags=ALL_RANKS,
             )
         ]
     )

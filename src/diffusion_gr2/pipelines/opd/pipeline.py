@@ -2,6 +2,8 @@
 
 from kedro.pipeline import Node, Pipeline
 
+from diffusion_gr2.runner import ALL_RANKS
+
 from .nodes import train_opd
 
 
@@ -13,6 +15,7 @@ def create_pipeline(**kwargs) -> Pipeline:
                 ["model_cft", "model_ar_rl", "requests", "tokenizer", "params:opd"],
                 ["model_opd", "opd_summary"],
                 name="train_opd",
+                tags=ALL_RANKS,
             )
         ]
     )

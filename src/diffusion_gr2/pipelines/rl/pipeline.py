@@ -3,6 +3,7 @@
 from kedro.pipeline import Node, Pipeline
 
 from diffusion_gr2.pipelines.training import train_policy_rl
+from diffusion_gr2.runner import ALL_RANKS
 
 
 def create_pipeline(**kwargs) -> Pipeline:
@@ -13,6 +14,7 @@ def create_pipeline(**kwargs) -> Pipeline:
                 ["model_opd", "requests", "tokenizer", "params:rl"],
                 ["model_rl", "rl_summary"],
                 name="train_diffusion_rl",
+                tags=ALL_RANKS,
             )
         ]
     )

@@ -3,6 +3,7 @@
 from kedro.pipeline import Node, Pipeline
 
 from diffusion_gr2.pipelines.training import train_policy_rl, train_supervised
+from diffusion_gr2.runner import ALL_RANKS
 
 from .nodes import build_ar_model, midtrain_copy
 
@@ -10,24 +11,33 @@ from .nodes import build_ar_model, midtrain_copy
 def create_pipeline(**kwargs) -> Pipeline:
     return Pipeline(
         [
-            Node(build_ar_model, ["tokenizer", "params:teacher_sft"], "model_ar_init", name="build_ar_model"),
+            Node(
+                build_ar_model,
+                ["tokenizer", "params:teacher_sft"],
+                "model_ar_init",
+                name="build_ar_model",
+                tags=ALL_RANKS,
+            ),
             Node(
                 midtrain_copy,
                 ["model_ar_init", "sids", "tokenizer", "params:teacher_midtrain"],
                 ["model_ar_mid", "ar_mid_summary"],
                 name="midtrain_ar_copy",
+                tags=ALL_RANKS,
             ),
             Node(
                 train_supervised,
                 ["model_ar_mid", "sft_examples", "tokenizer", "params:teacher_sft"],
                 ["model_ar_sft", "ar_sft_summary"],
                 name="train_ar_sft",
+                tags=ALL_RANKS,
             ),
             Node(
                 train_policy_rl,
                 ["model_ar_sft", "requests", "tokenizer", "params:teacher_rl"],
                 ["model_ar_rl", "ar_rl_summary"],
                 name="train_ar_rl",
+                tags=ALL_RANKS,
             ),
         ]
     )

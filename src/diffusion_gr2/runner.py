@@ -1,0 +1,157 @@
+"""Kedro on several processes: the training nodes on every rank, everything else once, on rank 0.
+
+``accelerate launch -m diffusion_gr2 run ...`` starts one process per GPU; each opens its own
+``KedroSession`` and runs the pipeline with :class:`RankAwareRunner`. What runs where:
+
+* nodes tagged ``all_ranks`` (the training stages, and the cheap deterministic nodes that build their
+  starting model) run on every rank. Rank 0 runs them as Kedro always does (inputs loaded, outputs
+  saved, hooks called); the other ranks load the inputs, run the node and keep its outputs in their
+  own memory for the next ``all_ranks`` node. They never save anything.
+* every other node (data preparation, retrieval, traces, conversion, inference, evaluation,
+  registration) runs on rank 0 only. The other ranks wait for it, then read its outputs from the
+  catalog (files rank 0 has written) when an ``all_ranks`` node needs them; an in-memory output is
+  sent to them instead. Once no ``all_ranks`` node is left, they are done.
+
+So every dataset save, model folder, MLflow run, artifact, lineage record and registry call happens on
+rank 0 (kedro-mlflow's hooks are not even registered on the other ranks: ``settings.py``). A failure
+on rank 0 outside training is sent to the ranks waiting for it, which fail naming it; a rank that dies
+during training breaks the collectives of the others, and the launcher (torch elastic) stops them all
+and names the rank and host that failed first.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from datetime import timedelta
+from typing import Any
+
+from kedro.pipeline import Pipeline
+from kedro.pipeline.node import Node
+from kedro.runner import SequentialRunner
+
+logger = logging.getLogger(__name__)
+
+ALL_RANKS = "all_ranks"  # the node tag: run on every process of a launch
+WAIT_TIMEOUT_ENV = "DIFFUSION_GR2_RANK0_WAIT_S"  # how long the other ranks wait for rank 0's nodes
+
+
+def launch_rank() -> int:
+    """This process's global rank (0 outside a launch)."""
+    return int(os.environ.get("RANK", "0"))
+
+
+def launch_size() -> int:
+    """Processes of this launch (1 outside one)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def runs_on_all_ranks(node: Node) -> bool:
+    return ALL_RANKS in node.tags
+
+
+def placement(pipeline: Pipeline) -> list[tuple[str, str]]:
+    """(node, where it runs) for every node of ``pipeline`` in run order: the table of docs/distributed.md."""
+    return [(n.name, "every rank" if runs_on_all_ranks(n) else "rank 0") for n in pipeline.nodes]
+
+
+def _ephemeral(catalog: Any, name: str) -> bool:
+    """Whether dataset ``name`` lives in memory only (another process cannot read it from disk)."""
+    if name.startswith("params:") or name == "parameters":
+        return False  # every process loads the same configuration
+    dataset = catalog.get(name, fallback_to_runtime_pattern=True)
+    return dataset is None or bool(getattr(dataset, "_EPHEMERAL", False))
+
+
+class RankAwareRunner(SequentialRunner):
+    """A ``SequentialRunner`` that knows it is one of several processes (see the module docstring).
+
+    In a single process it is exactly the ``SequentialRunner``.
+    """
+
+    def _run(
+        self, pipeline: Pipeline, catalog: Any, hook_manager: Any = None, run_id: str | None = None
+    ) -> None:
+        if launch_size() == 1:
+            return super()._run(pipeline, catalog, hook_manager, run_id)
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            raise RuntimeError(
+                f"WORLD_SIZE={launch_size()} but no process group: launch with "
+                "`accelerate launch -m diffusion_gr2 run ...` (docs/distributed.md)"
+            )
+        wait = timedelta(seconds=float(os.environ.get(WAIT_TIMEOUT_ENV, str(24 * 3600))))
+        # Waiting for rank 0's data preparation or inference may outlast the collective timeout of
+        # training: those waits go through a CPU group of their own, with their own limit.
+        group = dist.new_group(backend="gloo", timeout=wait)
+        nodes = pipeline.nodes
+        last_shared = max((i for i, n in enumerate(nodes) if runs_on_all_ranks(n)), default=-1)
+        needed = {name for n in nodes if runs_on_all_ranks(n) for name in n.inputs}
+        if launch_rank() == 0:
+            self._run_rank0(nodes, last_shared, needed, catalog, hook_manager, run_id, group)
+        else:
+            self._run_other(nodes, last_shared, catalog, group)
+        return None
+
+    def _run_rank0(
+        self,
+        nodes: list[Node],
+        last_shared: int,
+        needed: set[str],
+        catalog: Any,
+        hook_manager: Any,
+        run_id: str | None,
+        group: Any,
+    ) -> None:
+        from kedro.runner.task import Task
+
+        for index, node in enumerate(nodes):
+            shared = runs_on_all_ranks(node)
+            try:
+                Task(
+                    node=node, catalog=catalog, hook_manager=hook_manager, is_async=False, run_id=run_id
+                ).execute()
+            except Exception as err:
+                if not shared and index < last_shared:  # the other ranks are waiting for this node
+                    _send(
+                        group, {"error": f"rank 0 ({socket.gethostname()}) failed in node {node.name}: {err}"}
+                    )
+                raise
+            self._logger.info("Completed node: %s", node.name)
+            if not shared and index < last_shared:
+                memory = {
+                    name: catalog.load(name)
+                    for name in node.outputs
+                    if name in needed and _ephemeral(catalog, name)
+                }
+                _send(group, {"error": None, "outputs": memory})
+
+    def _run_other(self, nodes: list[Node], last_shared: int, catalog: Any, group: Any) -> None:
+        local: dict[str, Any] = {}  # outputs this rank holds itself (never saved)
+        for node in nodes[: last_shared + 1]:
+            if not runs_on_all_ranks(node):
+                message = _receive(group)
+                if message["error"]:
+                    raise RuntimeError(f"rank {launch_rank()} stops: {message['error']}")
+                local.update(message["outputs"])
+                continue
+            inputs = {name: local[name] if name in local else catalog.load(name) for name in node.inputs}
+            local.update(node.run(inputs))
+            self._logger.info("rank %d: completed node %s", launch_rank(), node.name)
+        self._logger.info("rank %d: no node left for this rank; rank 0 finishes the run", launch_rank())
+
+
+def _send(group: Any, message: dict[str, Any]) -> None:
+    import torch.distributed as dist
+
+    dist.broadcast_object_list([message], src=0, group=group)
+
+
+def _receive(group: Any) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    box: list[Any] = [None]
+    dist.broadcast_object_list(box, src=0, group=group)
+    return box[0]
