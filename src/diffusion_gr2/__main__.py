@@ -102,30 +102,50 @@ def retrain(env: str | None, force: bool, client) -> int:  # noqa: ANN001 (an Ml
 
 
 def ops(argv: list[str]) -> int:
-    """Run one operations command; the exit status."""
-    from diffusion_gr2.core.tracking import registry
-    from diffusion_gr2.core.tracking.lineage_report import lineage_lines
+    """Run one operations command; the exit status.
+
+    A model, version, alias or run the store does not hold is one line on stderr and status 1: a
+    traceback of MLflow's REST or SQL call would bury which name was wrong.
+    """
+    import warnings
+
+    # MLflow warns on import that `RerankerModel.predict` has no type hints (on purpose, see
+    # serving.py), past any filter (it sets its own): recorded and dropped, so stderr holds only
+    # what a command says
+    with warnings.catch_warnings(record=True):
+        from diffusion_gr2.core.tracking import registry
+        from diffusion_gr2.core.tracking.lineage_report import lineage_lines
 
     args = _parser().parse_args(argv)
     client = _mlflow_client()
     if args.command == "retrain":
         return retrain(args.env, args.force, client)
-    if args.command == "lineage":
-        sys.stdout.write("\n".join(lineage_lines(client, args.target, Path.cwd())) + "\n")
-        return 0
-    if args.action == "show":
-        for name in [args.name] if args.name else [registry.DIFFUSION_MODEL, registry.TEACHER_MODEL]:
-            for row in registry.version_summary(name, client):
-                aliases = ",".join(row["aliases"]) or "-"
-                sys.stdout.write(
-                    f"{name} v{row['version']}  aliases {aliases}  tau {row['tau']}  gate {row['gate'] or '-'}  "
-                    f"run {row['run_id']}\n"
-                )
-        return 0
-    if args.action == "promote":
-        ref = registry.promote(args.name, args.version, args.reason, client)
-    else:
-        ref = registry.rollback(args.name, args.to, args.reason, client)
+    try:
+        if args.command == "lineage":
+            sys.stdout.write("\n".join(lineage_lines(client, args.target, Path.cwd())) + "\n")
+            return 0
+        if args.action == "show":
+            for name in [args.name] if args.name else [registry.DIFFUSION_MODEL, registry.TEACHER_MODEL]:
+                try:
+                    rows = registry.version_summary(name, client)
+                except registry.NotFoundError:
+                    if args.name:
+                        raise
+                    continue  # the default pair: a store may hold one of them only (or none yet)
+                for row in rows:
+                    aliases = ",".join(row["aliases"]) or "-"
+                    sys.stdout.write(
+                        f"{name} v{row['version']}  aliases {aliases}  tau {row['tau']}  "
+                        f"gate {row['gate'] or '-'}  run {row['run_id']}\n"
+                    )
+            return 0
+        if args.action == "promote":
+            ref = registry.promote(args.name, args.version, args.reason, client)
+        else:
+            ref = registry.rollback(args.name, args.to, args.reason, client)
+    except registry.NotFoundError as err:
+        sys.stderr.write(f"{err}\n")
+        return 1
     sys.stdout.write(f"{ref.name}@{registry.CHAMPION} -> version {ref.version}\n")
     return 0
 

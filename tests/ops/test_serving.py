@@ -125,6 +125,10 @@ def test_the_served_champion_answers_and_refuses_malformed_requests_with_a_4xx(
             "unknown",
         ),
         "empty history": ({"dataframe_records": [{**good, "history": []}]}, "empty"),
+        "candidate in the history": (  # the leak training refuses (`no_candidate_in_history`)
+            {"dataframe_records": [good, {**good, "candidates": [*cands[:-1], good["history"][-1]]}]},
+            f"request 1: candidate(s) ['{good['history'][-1]}'] already in the history",
+        ),
         "too many requests": ({"dataframe_records": [good] * 33}, "limit"),
         "oversized history": ({"dataframe_records": [{**good, "history": good["history"] * 100}]}, "limit"),
         "not json": (b"{history: [", "JSON"),

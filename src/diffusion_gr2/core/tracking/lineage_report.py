@@ -7,7 +7,8 @@ wrote it, using the node records `lineage.log_record` stored on the runs: first 
 run, then any run tagged as having produced that hash. Each node is printed with its run, git
 commit, key parameters and metrics; each input with its hash and whether the file on disk still has
 it (``CHANGED`` or ``MISSING`` otherwise; ``superseded`` when a later run of the pipeline wrote
-what is there now, as a retrain does). Inputs nobody produced are the raw files.
+what is there now, as a retrain does). Inputs nobody produced are the raw files. A model, version,
+alias or run the store does not hold raises `NotFoundError`, naming it.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from mlflow import MlflowClient
 from mlflow.entities import Run
 
 from diffusion_gr2.core.tracking.lineage import NODES_ARTIFACT_DIR, PRODUCED_TAG, DigestCache
+from diffusion_gr2.core.tracking.mlflow_utils import get_run, model_version, version_by_alias
 
 __all__ = ["KEY_PARAM_WORDS", "Lineage", "lineage_lines", "resolve_target"]
 
@@ -196,10 +198,10 @@ def resolve_target(client: MlflowClient, target: str) -> tuple[list[str], str, d
         ref = target.removeprefix("models:/")
         if "@" in ref:
             name, alias = ref.split("@", 1)
-            mv = client.get_model_version_by_alias(name, alias)
+            mv = version_by_alias(client, name, alias)
         else:
             name, version = ref.rsplit("/", 1)
-            mv = client.get_model_version(name, version)
+            mv = model_version(client, name, version)
         tags = mv.tags
         header = [
             f"{mv.name} version {mv.version}  aliases {sorted(getattr(mv, 'aliases', []) or [])}  "
@@ -213,6 +215,7 @@ def resolve_target(client: MlflowClient, target: str) -> tuple[list[str], str, d
             }
         }
         return header, tags.get("lineage.model.run_id", mv.run_id), start
+    get_run(client, target)  # a wrong id would otherwise read as a run with no node records
     lineage = Lineage(client, Path.cwd())
     records = lineage.records(target)
     read = {e["digest"] for r in records.values() for e in r["inputs"].values()}

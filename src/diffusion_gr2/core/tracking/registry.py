@@ -8,7 +8,8 @@ visible in the UI and travel with the version.
 
 `challenger` always points at the newest version, `champion` at the one served. Promotion moves
 `champion` and records the version it replaced (tag ``previous_champion``); rollback moves it back
-to that version (or to one named explicitly) and records why.
+to that version (or to one named explicitly) and records why. A model, version or alias the store
+does not hold raises `NotFoundError`, naming it.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import pandas as pd
 from mlflow import MlflowClient
 from mlflow.exceptions import MlflowException
 
+from diffusion_gr2.core.tracking.mlflow_utils import NotFoundError, model_version, registered_model
 from diffusion_gr2.core.tracking.serving import INPUT_EXAMPLE, SIGNATURE, RerankerModel, ServingConfig
 
 logger = logging.getLogger(__name__)
@@ -35,6 +37,7 @@ __all__ = [
     "CHALLENGER",
     "CHAMPION",
     "DIFFUSION_MODEL",
+    "NotFoundError",
     "TEACHER_MODEL",
     "VersionRef",
     "alias_version",
@@ -165,6 +168,7 @@ def download_version(ref: VersionRef, dst: str | Path) -> dict[str, Path]:
 def promote(name: str, version: str, reason: str, client: MlflowClient | None = None) -> VersionRef:
     """Point `champion` at `version`; the version it replaces is recorded on the new champion."""
     client = client or MlflowClient()
+    model_version(client, name, version)  # NotFoundError before any alias or tag moves
     previous = alias_version(name, CHAMPION, client)
     if previous is not None and previous.version == str(version):
         logger.info("%s version %s is already the champion", name, version)
@@ -186,17 +190,18 @@ def rollback(
     The version rolled away from keeps its tags; the restored one records ``rolled_back_from``.
     """
     client = client or MlflowClient()
+    registered_model(client, name)  # a wrong name says so, not "no champion"
     current = alias_version(name, CHAMPION, client)
     if current is None:
-        raise MlflowException(f"{name} has no champion to roll back from")
+        raise NotFoundError(f"registered model {name} has no {CHAMPION} to roll back from")
     target = to_version
     if target is None:
         target = client.get_model_version(name, current.version).tags.get("previous_champion", "none")
         if target == "none":
-            raise MlflowException(
+            raise NotFoundError(
                 f"{name} version {current.version} replaced no earlier champion; name a version"
             )
-    client.get_model_version(name, str(target))  # a clear error when the version does not exist
+    model_version(client, name, str(target))  # NotFoundError before the alias moves
     client.set_registered_model_alias(name, CHAMPION, str(target))
     client.set_model_version_tag(name, str(target), "rolled_back_from", current.version)
     client.set_model_version_tag(name, str(target), "rollback_reason", reason)
@@ -205,12 +210,12 @@ def rollback(
 
 
 def version_summary(name: str, client: MlflowClient | None = None) -> list[dict[str, Any]]:
-    """Every version of `name`, newest first, with its aliases and serving tags (for `registry show`)."""
+    """Every version of `name`, newest first, with its aliases and serving tags (for `registry show`).
+
+    `NotFoundError` when the store holds no model `name`.
+    """
     client = client or MlflowClient()
-    try:
-        aliases = client.get_registered_model(name).aliases
-    except MlflowException:
-        return []
+    aliases = registered_model(client, name).aliases
     by_version: dict[str, list[str]] = {}
     for alias, version in aliases.items():
         by_version.setdefault(str(version), []).append(alias)

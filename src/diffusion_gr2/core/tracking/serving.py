@@ -128,7 +128,9 @@ def parse_request(row: int, record: Mapping[str, Any], known: Mapping[str, int],
     """Validate one request (raw ids) against the catalogue `known` (raw id -> item id).
 
     Refused: a missing field, a field of the wrong type, too many items, an empty history (or one
-    with no item the model knows), fewer than `min_candidates`, a repeated or unknown candidate.
+    with no item the model knows), fewer than `min_candidates`, a repeated or unknown candidate, a
+    candidate that is in the history (the leak the candidates schema refuses in training data:
+    `no_candidate_in_history`, `target_not_in_history`).
     """
     history = _id_list(row, "history", record.get("history"), limits, limits.max_history)
     candidates = _id_list(row, "candidates", record.get("candidates"), limits, limits.max_candidates)
@@ -144,6 +146,10 @@ def parse_request(row: int, record: Mapping[str, Any], known: Mapping[str, int],
         raise RequestError(
             f"request {row}: unknown candidate id(s) {unknown[:5]} (not in the model's catalogue)"
         )
+    seen = set(history)
+    in_history = [c for c in candidates if c in seen]
+    if in_history:
+        raise RequestError(f"request {row}: candidate(s) {in_history[:5]} already in the history")
     kept = [known[h] for h in history if h in known]
     if not kept:
         raise RequestError(f"request {row}: no history item is in the model's catalogue")
