@@ -174,7 +174,9 @@ def test_schedule_splits_each_round_over_updates_and_shares() -> None:
     per_step = [batches[i : i + accum] for i in range(0, len(batches), accum)]
     for step, (a, b) in enumerate(per_step):
         # one normaliser for the step (no other process here: its own shares' tokens), per share
-        assert a.epoch == step % 4 // 2 and a.token_norm == b.token_norm == (len(a.rows) + len(b.rows)) * 4 / 6
+        assert (
+            a.epoch == step % 4 // 2 and a.token_norm == b.token_norm == (len(a.rows) + len(b.rows)) * 4 / 6
+        )
     for epoch in range(4):  # every kept rollout of each share once per epoch, over its two mini-batches
         for micro in range(accum):
             rows = sorted(r for b in batches[4 * epoch + micro : 4 * epoch + 4 : accum] for r in b.rows)
