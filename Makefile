@@ -12,7 +12,8 @@ export KEDRO_DISABLE_TELEMETRY=1 DO_NOT_TRACK=1 MLFLOW_DISABLE_TELEMETRY=true DV
 export HF_HUB_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1 TRANSFORMERS_OFFLINE=1 GX_ANALYTICS_ENABLED=False
 PIP_QUIET := 2>&1 | { grep -v "^WARNING: Location" || true; }
 
-.PHONY: setup run run-full test lint format benchmark mlflow-ui dvc-repro clean retrain register serve viz
+
+.PHONY: setup run run-full run-distributed test lint format benchmark mlflow-ui dvc-repro clean retrain register serve viz
 
 $(STAMP): requirements/lock.txt pyproject.toml
 	@command -v $(PYTHON) >/dev/null || { echo "$(PYTHON) not found: set PYTHON=/path/to/python3.11"; exit 1; }
@@ -43,6 +44,17 @@ FULL_PARAMS := $(FULL_PARAMS),traces.prompt.history_in_prompt=10,traces.prompt.t
 
 run-full: setup
 	$(BIN)/kedro run --params "$(FULL_PARAMS)"
+
+# One node, NPROC processes (one per GPU), DDP: the training stages on every process, the rest on
+# rank 0 (docs/distributed.md). ENV=gpu for a pretrained checkpoint in bf16; ACCELERATE_CONFIG=
+# conf/accelerate/fsdp.yaml to shard the model; KEDRO_ARGS for anything else `kedro run` takes.
+NPROC ?= 8
+ENV ?= gpu
+ACCELERATE_CONFIG ?= conf/accelerate/ddp.yaml
+KEDRO_ARGS ?=
+run-distributed: setup
+	$(BIN)/accelerate launch --config_file $(ACCELERATE_CONFIG) --num_processes $(NPROC) \
+	  -m diffusion_gr2 run --env $(ENV) $(KEDRO_ARGS)
 
 test: setup
 	$(BIN)/ruff check src tests benchmarks

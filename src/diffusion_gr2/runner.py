@@ -10,7 +10,9 @@
 * every other node (data preparation, retrieval, traces, conversion, inference, evaluation,
   registration) runs on rank 0 only. The other ranks wait for it, then read its outputs from the
   catalog (files rank 0 has written) when an ``all_ranks`` node needs them; an in-memory output is
-  sent to them instead. Once no ``all_ranks`` node is left, they are done.
+  sent to them instead. Once no ``all_ranks`` node is left, they are done. A launch runs what training
+  needs first and the rest (evaluating each stage, reports, registration) after the last training node
+  (:func:`launch_order`), so no GPU idles while rank 0 evaluates.
 
 So every dataset save, model folder, MLflow run, artifact, lineage record and registry call happens on
 rank 0 (kedro-mlflow's hooks are not even registered on the other ranks: ``settings.py``). A failure
@@ -51,9 +53,21 @@ def runs_on_all_ranks(node: Node) -> bool:
     return ALL_RANKS in node.tags
 
 
+def launch_order(pipeline: Pipeline) -> list[Node]:
+    """The nodes in the order a launch runs them, each part in Kedro's order: first everything but what
+    only uses the training's outputs, then that. Rank 0's evaluation of a stage (``rerank_ar_sft``)
+    then waits until training is over instead of holding every other GPU idle between two stages,
+    while checks that can stop the run (the data validations) still come before any training."""
+    shared = [n.name for n in pipeline.nodes if runs_on_all_ranks(n)]
+    if not shared:
+        return list(pipeline.nodes)
+    later = set(pipeline.from_nodes(*shared).nodes) - set(pipeline.to_nodes(*shared).nodes)
+    return [n for n in pipeline.nodes if n not in later] + [n for n in pipeline.nodes if n in later]
+
+
 def placement(pipeline: Pipeline) -> list[tuple[str, str]]:
-    """(node, where it runs) for every node of ``pipeline`` in run order: the table of docs/distributed.md."""
-    return [(n.name, "every rank" if runs_on_all_ranks(n) else "rank 0") for n in pipeline.nodes]
+    """(node, where it runs) for every node of ``pipeline`` in launch order: docs/distributed.md's table."""
+    return [(n.name, "every rank" if runs_on_all_ranks(n) else "rank 0") for n in launch_order(pipeline)]
 
 
 def _ephemeral(catalog: Any, name: str) -> bool:
@@ -86,7 +100,7 @@ class RankAwareRunner(SequentialRunner):
         # Waiting for rank 0's data preparation or inference may outlast the collective timeout of
         # training: those waits go through a CPU group of their own, with their own limit.
         group = dist.new_group(backend="gloo", timeout=wait)
-        nodes = pipeline.nodes
+        nodes = launch_order(pipeline)
         last_shared = max((i for i, n in enumerate(nodes) if runs_on_all_ranks(n)), default=-1)
         needed = {name for n in nodes if runs_on_all_ranks(n) for name in n.inputs}
         if launch_rank() == 0:
