@@ -1,29 +1,22 @@
+"""The retrain pipeline as an Airflow DAG, one task per Kedro node.
+
+Generated: kedro airflow create -p retrain -e airflow -t airflow_dags/ -j airflow_dags/dag_template.j2
+Each task runs `diffusion_gr2.airflow_task.run_nodes`: a training node becomes one launched job when
+the worker sets DIFFUSION_GR2_LAUNCH (e.g. "accelerate launch --config_file conf/accelerate/ddp.yaml";
+docs/distributed.md), everything else runs in the task's own process.
+"""
+
 from __future__ import annotations
 
 from datetime import datetime, timedelta
-from pathlib import Path
 
 from airflow.sdk import dag, task
 
-from kedro.framework.session import KedroSession
-from kedro.framework.project import configure_project
+from diffusion_gr2.airflow_task import run_nodes
 
-# Kedro settings required to run your pipeline
 env = "airflow"
 pipeline_name = "retrain"
-project_path = Path.cwd()
-package_name = "diffusion_gr2"
-conf_source = "" or Path.cwd() / "conf"
-
-
-def _run_kedro_node(node_names=None, namespaces=None):
-    """Run a Kedro pipeline slice. Pass node_names for regular node groups or namespaces for namespace groups."""
-    configure_project(package_name)
-    with KedroSession.create(project_path=project_path, env=env, conf_source=conf_source) as session:
-        if namespaces is not None:
-            session.run(pipeline_names=[pipeline_name], namespaces=namespaces)
-        else:
-            session.run(pipeline_names=[pipeline_name], node_names=node_names)
+conf_source = "" or None
 
 
 @dag(
@@ -45,91 +38,91 @@ def diffusion_gr2():
 
     @task(task_id="take-in-incoming")
     def take_in_incoming():
-        _run_kedro_node(node_names=["take_in_incoming"])
+        run_nodes(pipeline_name, ["take_in_incoming"], env, conf_source)
 
     @task(task_id="plan-warm-start")
     def plan_warm_start():
-        _run_kedro_node(node_names=["plan_warm_start"])
+        run_nodes(pipeline_name, ["plan_warm_start"], env, conf_source)
 
     @task(task_id="prepare-dataset")
     def prepare_dataset():
-        _run_kedro_node(node_names=["prepare_dataset"])
+        run_nodes(pipeline_name, ["prepare_dataset"], env, conf_source)
 
     @task(task_id="embed-item-texts")
     def embed_item_texts():
-        _run_kedro_node(node_names=["embed_item_texts"])
+        run_nodes(pipeline_name, ["embed_item_texts"], env, conf_source)
 
     @task(task_id="retrieve-candidates")
     def retrieve_candidates():
-        _run_kedro_node(node_names=["retrieve_candidates"])
+        run_nodes(pipeline_name, ["retrieve_candidates"], env, conf_source)
 
     @task(task_id="validate-splits")
     def validate_splits():
-        _run_kedro_node(node_names=["validate_splits"])
+        run_nodes(pipeline_name, ["validate_splits"], env, conf_source)
 
     @task(task_id="fit-item-sids")
     def fit_item_sids():
-        _run_kedro_node(node_names=["fit_item_sids"])
+        run_nodes(pipeline_name, ["fit_item_sids"], env, conf_source)
 
     @task(task_id="gate-requests")
     def gate_requests():
-        _run_kedro_node(node_names=["gate_requests"])
+        run_nodes(pipeline_name, ["gate_requests"], env, conf_source)
 
     @task(task_id="validate-candidate-lists")
     def validate_candidate_lists():
-        _run_kedro_node(node_names=["validate_candidate_lists"])
+        run_nodes(pipeline_name, ["validate_candidate_lists"], env, conf_source)
 
     @task(task_id="generate-traces")
     def generate_traces():
-        _run_kedro_node(node_names=["generate_traces"])
+        run_nodes(pipeline_name, ["generate_traces"], env, conf_source)
 
     @task(task_id="train-tokenizer")
     def train_tokenizer():
-        _run_kedro_node(node_names=["train_tokenizer"])
+        run_nodes(pipeline_name, ["train_tokenizer"], env, conf_source)
 
     @task(task_id="build-ar-model")
     def build_ar_model():
-        _run_kedro_node(node_names=["build_ar_model"])
+        run_nodes(pipeline_name, ["build_ar_model"], env, conf_source)
 
     @task(task_id="encode-datasets")
     def encode_datasets():
-        _run_kedro_node(node_names=["encode_datasets"])
+        run_nodes(pipeline_name, ["encode_datasets"], env, conf_source)
 
     @task(task_id="midtrain-ar-copy")
     def midtrain_ar_copy():
-        _run_kedro_node(node_names=["midtrain_ar_copy"])
+        run_nodes(pipeline_name, ["midtrain_ar_copy"], env, conf_source)
 
     @task(task_id="train-ar-sft")
     def train_ar_sft():
-        _run_kedro_node(node_names=["train_ar_sft"])
+        run_nodes(pipeline_name, ["train_ar_sft"], env, conf_source)
 
     @task(task_id="train-ar-rl")
     def train_ar_rl():
-        _run_kedro_node(node_names=["train_ar_rl"])
+        run_nodes(pipeline_name, ["train_ar_rl"], env, conf_source)
 
     @task(task_id="convert-teacher")
     def convert_teacher():
-        _run_kedro_node(node_names=["convert_teacher"])
+        run_nodes(pipeline_name, ["convert_teacher"], env, conf_source)
 
     @task(task_id="train-cft")
     def train_cft():
-        _run_kedro_node(node_names=["train_cft"])
+        run_nodes(pipeline_name, ["train_cft"], env, conf_source)
 
     @task(task_id="train-opd")
     def train_opd():
-        _run_kedro_node(node_names=["train_opd"])
+        run_nodes(pipeline_name, ["train_opd"], env, conf_source)
 
     @task(task_id="train-diffusion-rl")
     def train_diffusion_rl():
-        _run_kedro_node(node_names=["train_diffusion_rl"])
+        run_nodes(pipeline_name, ["train_diffusion_rl"], env, conf_source)
 
     @task(task_id="register-models")
     def register_models():
-        _run_kedro_node(node_names=["register_models"])
+        run_nodes(pipeline_name, ["register_models"], env, conf_source)
 
     @task(task_id="run-gate")
     def run_gate():
-        _run_kedro_node(node_names=["run_gate"])
+        run_nodes(pipeline_name, ["run_gate"], env, conf_source)
 
     tasks = {
         "take-in-incoming": take_in_incoming(),

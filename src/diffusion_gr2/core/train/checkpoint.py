@@ -17,6 +17,7 @@ folder by the bytes of what it depends on.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -129,6 +130,18 @@ def _write_manifest(folder: Path) -> None:
     (folder / MANIFEST_FILE).write_text(json.dumps({"files": files}, indent=1), encoding="utf-8")
 
 
+@contextlib.contextmanager
+def _quiet(name: str) -> Iterator[None]:
+    """Raise logger ``name`` to ERROR for the duration (a warning about what is expected)."""
+    log = logging.getLogger(name)
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
+
+
 def save_checkpoint(path: str | Path, accelerator: Any, state: LoopState) -> Path:
     """Write one complete checkpoint directory atomically, with every process; returns its path.
 
@@ -141,7 +154,8 @@ def save_checkpoint(path: str | Path, accelerator: Any, state: LoopState) -> Pat
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     accelerator.wait_for_everyone()
-    accelerator.save_state(str(tmp), safe_serialization=True)
+    with _quiet("accelerate.utils.other"):  # "Removed shared tensor": Qwen3's tied LM head, stored once
+        accelerator.save_state(str(tmp), safe_serialization=True)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         payload = {
