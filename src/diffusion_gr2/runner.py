@@ -104,13 +104,14 @@ class RankAwareRunner(SequentialRunner):
         last_shared = max((i for i, n in enumerate(nodes) if runs_on_all_ranks(n)), default=-1)
         needed = {name for n in nodes if runs_on_all_ranks(n) for name in n.inputs}
         if launch_rank() == 0:
-            self._run_rank0(nodes, last_shared, needed, catalog, hook_manager, run_id, group)
+            self._run_rank0(pipeline, nodes, last_shared, needed, catalog, hook_manager, run_id, group)
         else:
             self._run_other(nodes, last_shared, catalog, group)
         return None
 
     def _run_rank0(
         self,
+        pipeline: Pipeline,
         nodes: list[Node],
         last_shared: int,
         needed: set[str],
@@ -119,8 +120,11 @@ class RankAwareRunner(SequentialRunner):
         run_id: str | None,
         group: Any,
     ) -> None:
+        from collections import Counter
+
         from kedro.runner.task import Task
 
+        load_counts = Counter(name for n in nodes for name in n.inputs)  # what Kedro frees as it goes
         for index, node in enumerate(nodes):
             shared = runs_on_all_ranks(node)
             try:
@@ -141,10 +145,11 @@ class RankAwareRunner(SequentialRunner):
                     if name in needed and _ephemeral(catalog, name)
                 }
                 _send(group, {"error": None, "outputs": memory})
+            self._release_datasets(node, catalog, load_counts, pipeline)
 
     def _run_other(self, nodes: list[Node], last_shared: int, catalog: Any, group: Any) -> None:
         local: dict[str, Any] = {}  # outputs this rank holds itself (never saved)
-        for node in nodes[: last_shared + 1]:
+        for index, node in enumerate(nodes[: last_shared + 1]):
             if not runs_on_all_ranks(node):
                 message = _receive(group)
                 if message["error"]:
@@ -153,6 +158,8 @@ class RankAwareRunner(SequentialRunner):
                 continue
             inputs = {name: local[name] if name in local else catalog.load(name) for name in node.inputs}
             local.update(node.run(inputs))
+            later = {name for n in nodes[index + 1 : last_shared + 1] for name in n.inputs}
+            local = {name: value for name, value in local.items() if name in later}  # free the models
             self._logger.info("rank %d: completed node %s", launch_rank(), node.name)
         self._logger.info("rank %d: no node left for this rank; rank 0 finishes the run", launch_rank())
 
