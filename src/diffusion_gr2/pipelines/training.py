@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -26,21 +25,7 @@ from diffusion_gr2.core.train.stages import (
     rl_loss,
     supervised_loss,
 )
-
-
-def launch_processes() -> int:
-    """Processes of this launch (``accelerate launch`` sets WORLD_SIZE); the loop checks accelerate agrees."""
-    return int(os.environ.get("WORLD_SIZE", "1"))
-
-
-def refuse_rollouts_under_fsdp(stage: str) -> None:
-    """RL and OPD decode rollouts with the model between training steps, which FSDP's shards do not
-    allow yet: say so before any work, instead of failing inside the first rollout."""
-    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
-        raise RuntimeError(
-            f"{stage}: rollout stages do not run under FSDP yet; launch them with the DDP config "
-            "(conf/accelerate/ddp.yaml) or train the model with them on fewer, larger GPUs (docs/distributed.md)"
-        )
+from diffusion_gr2.runner import launch_size
 
 
 def fingerprint(params: dict[str, Any], model: torch.nn.Module, *frames: pd.DataFrame) -> str:
@@ -122,7 +107,6 @@ def train_policy_rl(
     Each rollout batch trains `grpo.ppo_epochs` x `grpo.mini_batches` optimiser steps (`train.max_steps`
     counts optimiser steps); checkpoints must fall between rollout batches so a resume is exact.
     """
-    refuse_rollouts_under_fsdp(params["stage"])
     train_requests = requests[requests["split"] == "train"].reset_index(drop=True)
     rollout, grpo = RolloutConfig(**params["rollout"]), GRPOConfig(**params["grpo"])
     every = params["train"].get("checkpoint_every", TrainConfig.checkpoint_every)
@@ -132,7 +116,7 @@ def train_policy_rl(
         )
     # each process samples its own shares of a step's rollout batch (the global batch stays the same)
     grad_accum = params["train"].get("grad_accum", TrainConfig.grad_accum)
-    make_batch = rl_batches(tokenizer, train_requests, rollout, grpo, grad_accum, launch_processes())
+    make_batch = rl_batches(tokenizer, train_requests, rollout, grpo, grad_accum, launch_size())
     loss_fn = rl_loss(tokenizer.pad_token_id, grpo)
     return train_stage(
         params["stage"], model, make_batch, loss_fn, params, train_requests, summarise=rl_diagnostics

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -75,14 +75,19 @@ def _does_not_exist(err: MlflowException) -> bool:
     return err.error_code == "RESOURCE_DOES_NOT_EXIST"
 
 
-def registered_model(client: MlflowClient, name: str) -> RegisteredModel:
-    """The registered model `name`, or `NotFoundError`."""
+def _or_not_found(fetch: Callable[[], Any], what: str) -> Any:
+    """``fetch()``, with MLflow's "does not exist" turned into `NotFoundError` naming ``what``."""
     try:
-        return client.get_registered_model(name)
+        return fetch()
     except MlflowException as err:
         if _does_not_exist(err):
-            raise NotFoundError(f"no registered model {name!r}") from None
+            raise NotFoundError(what) from None
         raise
+
+
+def registered_model(client: MlflowClient, name: str) -> RegisteredModel:
+    """The registered model `name`, or `NotFoundError`."""
+    return _or_not_found(lambda: client.get_registered_model(name), f"no registered model {name!r}")
 
 
 def model_version(client: MlflowClient, name: str, version: str | int) -> ModelVersion:
@@ -113,9 +118,4 @@ def version_by_alias(client: MlflowClient, name: str, alias: str) -> ModelVersio
 
 def get_run(client: MlflowClient, run_id: str) -> Run:
     """The run `run_id`, or `NotFoundError`."""
-    try:
-        return client.get_run(run_id)
-    except MlflowException as err:
-        if _does_not_exist(err):
-            raise NotFoundError(f"no run {run_id!r} in the tracking store") from None
-        raise
+    return _or_not_found(lambda: client.get_run(run_id), f"no run {run_id!r} in the tracking store")

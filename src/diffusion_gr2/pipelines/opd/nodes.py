@@ -9,7 +9,8 @@ from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
 from diffusion_gr2.core.train.loop import TrainConfig
 from diffusion_gr2.core.train.stages import RolloutConfig, opd_batches, opd_loss
-from diffusion_gr2.pipelines.training import launch_processes, refuse_rollouts_under_fsdp, train_stage
+from diffusion_gr2.pipelines.training import train_stage
+from diffusion_gr2.runner import launch_size
 
 
 def train_opd(
@@ -20,7 +21,6 @@ def train_opd(
     params: dict[str, Any],
 ) -> tuple[PreTrainedModel, dict[str, Any]]:
     """Student rollouts from its real decoder, teacher logits once per rollout, forward KL by replay."""
-    refuse_rollouts_under_fsdp("opd")
     train_requests = requests[requests["split"] == "train"].reset_index(drop=True)
     model_ar_rl.eval().requires_grad_(False)
     make_batch = opd_batches(
@@ -29,6 +29,6 @@ def train_opd(
         train_requests,
         RolloutConfig(**params["rollout"]),
         params["train"].get("grad_accum", TrainConfig.grad_accum),
-        launch_processes(),
+        launch_size(),
     )
     return train_stage("opd", model_cft, make_batch, opd_loss(tokenizer.pad_token_id), params, train_requests)
