@@ -50,7 +50,12 @@ def test_a_cold_retrain_then_a_warm_one_from_its_champion(tmp_path: Path) -> Non
         # cannot be held to them, and this test is about the mechanism
         conf = root / "conf/smoke/parameters_retrain.yml"
         params = yaml.safe_load(conf.read_text())
-        params["retrain"]["gate"] |= {"min_valid_rate": 0.0, "min_speed_ratio": 0.0, "margin": 1.0}
+        params["retrain"]["gate"] |= {
+            "min_unforced_rate": 0.0,
+            "min_valid_rate": 0.0,
+            "min_speed_ratio": 0.0,
+            "margin": 1.0,
+        }
         conf.write_text(yaml.safe_dump(params))
         incoming = root / "data/01_raw/incoming"
         incoming.mkdir(parents=True)

@@ -301,7 +301,9 @@ def test_own_answers_are_read_off_a_free_pass_when_the_served_pass_jumps(world, 
     sids = [str(s) for s in requests["candidate_sids"][0]]
     good = DecodeOutput(_answer_ids(tokenizer, render_answer("ok", sids[::-1])), [], 1, [])
     bad = DecodeOutput(_answer_ids(tokenizer, render_answer("ok", sids[:-1])), [], 1, [])
-    own = module.own_answers([good, bad], requests.head(2), tokenizer, grammars[:1] * 2, 160)
+    own = module.own_answers(
+        [good, bad], requests.head(2)["candidate_sids"], tokenizer, grammars[:1] * 2, 160
+    )
     assert own[0] == (True, sids[::-1]) and own[1] == (False, [])
     rows = ranking_rows(requests.head(2), [good, bad], tokenizer, "cft", 0.9, own=own)
     items = [int(i) for i in requests["candidates"][0]]

@@ -66,6 +66,7 @@ __all__ = [
     "resolve_device",
     "needs_own_pass",
     "own_answers",
+    "own_validity",
     "select_requests",
     "stage_metrics",
     "system_key",
@@ -286,16 +287,45 @@ def needs_own_pass(config: DecodeConfig, grammars: Sequence[AnswerGrammar] | Non
 
 def own_answers(
     outputs: Sequence[DecodeOutput],
-    requests: pd.DataFrame,
+    candidate_sids: Sequence[Sequence[str]],
     tokenizer: PreTrainedTokenizerBase,
     grammars: Sequence[AnswerGrammar],
     max_new_tokens: int,
 ) -> list[tuple[bool, list[str]]]:
     """Per free (unconstrained) output: whether its request's grammar accepts it, and its SIDs."""
     own = []
-    for out, grammar, sids in zip(outputs, grammars, requests["candidate_sids"], strict=True):
+    for out, grammar, sids in zip(outputs, grammars, candidate_sids, strict=True):
         parsed = parse_answer(decode_response(tokenizer, out.tokens), [str(s) for s in sids])
         ok = parsed.valid and accepts(grammar, out.tokens, max_new_tokens)
+        own.append((ok, list(parsed.ranking) if ok else []))
+    return own
+
+
+def own_validity(
+    model: PreTrainedModel,
+    prompts: Sequence[Sequence[int]],
+    served: Sequence[DecodeOutput],
+    candidate_sids: Sequence[Sequence[str]],
+    tokenizer: PreTrainedTokenizerBase,
+    config: DecodeConfig,
+    grammars: Sequence[AnswerGrammar] | None,
+    desc: str = "decode",
+) -> list[tuple[bool, list[str]]]:
+    """The model's own answers (the one definition of `unforced`, wherever it is reported).
+
+    Own answer = greedy decoding with no grammar; it is valid when its request's grammar accepts it.
+    Where the served pass cannot differ from the free one without a counted correction (AR, no
+    grammar, no jump-forward) the served outputs are read (`forced == 0`: token for token the free
+    pass, `test_ar_jump_forward_is_exact`); otherwise a second, free pass decodes them.
+    """
+    if needs_own_pass(config, grammars):
+        assert grammars is not None
+        free = decode_requests(model, prompts, config, desc=f"{desc} (free)")
+        return own_answers(free, candidate_sids, tokenizer, grammars, config.max_new_tokens)
+    own = []
+    for out, sids in zip(served, candidate_sids, strict=True):
+        parsed = parse_answer(decode_response(tokenizer, out.tokens), [str(s) for s in sids])
+        ok = parsed.valid and out.forced == 0
         own.append((ok, list(parsed.ranking) if ok else []))
     return own
 
@@ -322,11 +352,8 @@ def rerank(
     start = time.perf_counter()
     outputs = decode_requests(model, prompts, config, desc=f"{split} {label}", grammars=grammars)
     elapsed = time.perf_counter() - start
-    own = None
-    if needs_own_pass(config, grammars):  # the model's own answers: a second pass, free (not timed)
-        assert grammars is not None
-        free = decode_requests(model, prompts, config, desc=f"{split} {label} (free)")
-        own = own_answers(free, requests, tokenizer, grammars, config.max_new_tokens)
+    sids = [[str(s) for s in c] for c in requests["candidate_sids"]]  # the free pass is not timed
+    own = own_validity(model, prompts, outputs, sids, tokenizer, config, grammars, f"{split} {label}")
     rows = ranking_rows(requests, outputs, tokenizer, system, tau, config.window, split, own)
     rows.attrs["decode_s"] = elapsed
     unforced = _unforced(rows)

@@ -5,7 +5,9 @@ A request names items by their *raw* ids (the ids of the source data, as strings
 each retrain. `Ranker` holds one model with its tokenizer, item catalogue (titles and SIDs) and
 decoding settings, and re-ranks a batch of requests with the project's one decoder
 (`core/rank/rerank.py`), under each request's answer grammar, so every served answer is a valid
-ranking; the model's own validity (no grammar correction) is reported beside it.
+ranking. The model's own validity (`unforced`: its answer decoded without the grammar is one the
+grammar accepts, `rerank.own_validity`, the figure inference reports) is given beside it when the
+call asks for it (the MLflow param `own_valid`; a diffusion model then decodes twice).
 
 `RerankerModel` wraps a `Ranker` as an MLflow pyfunc model; `mlflow models serve` then answers
 ``POST /invocations``. A malformed request raises `RequestError` (an `MlflowException` with
@@ -29,10 +31,17 @@ from mlflow.exceptions import MlflowException
 from mlflow.models import ModelSignature
 from mlflow.protos.databricks_pb2 import INVALID_PARAMETER_VALUE
 from mlflow.types import ColSpec, DataType, Schema
-from mlflow.types.schema import Array
+from mlflow.types.schema import Array, ParamSchema, ParamSpec
 
 from diffusion_gr2.core.decode.grammar import answer_grammars
-from diffusion_gr2.core.rank.rerank import RerankConfig, decode_config_for, decode_requests, prepare_model
+from diffusion_gr2.core.rank.rerank import (
+    RerankConfig,
+    decode_config_for,
+    decode_requests,
+    needs_own_pass,
+    own_validity,
+    prepare_model,
+)
 from diffusion_gr2.core.text.parser import apply_fallback, parse_answer
 from diffusion_gr2.core.text.prompt import ItemLookup, PromptConfig, build_messages
 from diffusion_gr2.core.text.tokenizer import IM_END, decode_response, encode_prompt
@@ -206,10 +215,15 @@ class Ranker:
             )
         return [parse_request(i, r, self.known, self.limits) for i, r in enumerate(records)]
 
-    def rank(self, requests: Sequence[Request], batch_size: int | None = None) -> list[dict[str, Any]]:
+    def rank(
+        self, requests: Sequence[Request], batch_size: int | None = None, own_valid: bool = False
+    ) -> list[dict[str, Any]]:
         """One answer per request: ranking (raw ids), explanation, validity, tau, forwards and latency.
 
         `batch_size` overrides the decoding batch (the gate times batch 1: one request's latency).
+        `unforced` is the model's own validity (`rerank.own_validity`): always known for a system
+        whose served pass shows it (AR), otherwise measured only with `own_valid` (a second, free
+        pass, outside `latency_ms`) and None without it.
         """
         decode_config = self.decode if batch_size is None else replace(self.decode, batch_size=batch_size)
         start = time.perf_counter()
@@ -221,8 +235,13 @@ class Ranker:
         grammars = answer_grammars(self.tokenizer, sid_lists, IM_END) if self.constrained else None
         outputs = decode_requests(self.model, prompts, decode_config, desc="serve", grammars=grammars)
         latency_ms = 1000.0 * (time.perf_counter() - start)
+        own: list[tuple[bool, list[str]]] | list[None] = [None] * len(requests)
+        if own_valid or not needs_own_pass(decode_config, grammars):
+            own = own_validity(
+                self.model, prompts, outputs, sid_lists, self.tokenizer, decode_config, grammars, "serve"
+            )
         answers = []
-        for req, sids, out in zip(requests, sid_lists, outputs, strict=True):
+        for req, sids, out, mine in zip(requests, sid_lists, outputs, own, strict=True):
             parsed = parse_answer(decode_response(self.tokenizer, out.tokens), sids)
             item_of = dict(zip(sids, req.candidates, strict=True))
             answers.append(
@@ -231,9 +250,7 @@ class Ranker:
                     "ranking": [self.raw_of[item_of[s]] for s in apply_fallback(parsed, sids)],
                     "explanation": parsed.explanation or "",
                     "valid": bool(parsed.valid),  # as served (after the grammar)
-                    # the grammar replaced none of the model's choices (a jumped diffusion answer
-                    # rarely: the grammar writes each SID's rest; the own rate is inference's free pass)
-                    "unforced": bool(parsed.valid and out.forced == 0),
+                    "unforced": None if mine is None else bool(mine[0]),  # the model's own validity
                     "reason": parsed.reason,
                     "system": self.config.system,
                     "tau": self.config.tau,
@@ -264,7 +281,7 @@ SIGNATURE = ModelSignature(
             ColSpec(_IDS, "ranking"),
             ColSpec(DataType.string, "explanation"),
             ColSpec(DataType.boolean, "valid"),
-            ColSpec(DataType.boolean, "unforced"),
+            ColSpec(DataType.boolean, "unforced", required=False),  # None unless asked (own_valid)
             ColSpec(DataType.string, "reason"),
             ColSpec(DataType.string, "system"),
             ColSpec(DataType.double, "tau", required=False),
@@ -275,6 +292,8 @@ SIGNATURE = ModelSignature(
             ColSpec(DataType.double, "latency_ms"),
         ]
     ),
+    # `own_valid`: also decode each request without the grammar and report `unforced` (costs a pass)
+    params=ParamSchema([ParamSpec("own_valid", DataType.boolean, False)]),
 )
 
 INPUT_EXAMPLE = {"history": ["50", "172", "181"], "candidates": ["1", "2", "3"], "request_id": "r1"}
@@ -300,5 +319,6 @@ class RerankerModel(mlflow.pyfunc.PythonModel):
         self.ranker = Ranker.from_dir(artifacts["model"], artifacts["catalogue"], config)
 
     def predict(self, context, model_input, params=None):  # noqa: ANN001 (see load_context)
-        answers = self.ranker.rank(self.ranker.parse(_records(model_input)))
+        own_valid = bool((params or {}).get("own_valid", False))
+        answers = self.ranker.rank(self.ranker.parse(_records(model_input)), own_valid=own_valid)
         return pd.DataFrame(answers)

@@ -13,7 +13,15 @@ import pandas as pd
 from mlflow import MlflowClient
 
 from diffusion_gr2.core.tracking import registry
-from diffusion_gr2.core.tracking.gate import GateConfig, decide, newest_slice, score, servable, speeds
+from diffusion_gr2.core.tracking.gate import (
+    GateConfig,
+    decide,
+    newest_slice,
+    prerank_score,
+    score,
+    servable,
+    speeds,
+)
 from diffusion_gr2.core.tracking.ingest import IngestConfig, acquire_lock, ingest, release_lock
 from diffusion_gr2.core.tracking.lineage import DigestCache
 from diffusion_gr2.core.tracking.mlflow_utils import as_metrics_history
@@ -38,22 +46,33 @@ def after_ingest(prepare: Callable[[dict[str, Any]], dict[str, Any]]) -> Callabl
     return prepare_dataset
 
 
+class NoOperatingPoint(RuntimeError):
+    """The diffusion system has no operating point chosen on validation: it is not registered."""
+
+
 def _serving(
     system: str, params: dict[str, Any], traces: dict[str, Any], inference: dict[str, Any]
 ) -> tuple[ServingConfig, str]:
-    """The serving settings of `system`: operating point, the inference decoding, the prompt of traces."""
+    """The serving settings of `system`: operating point, the inference decoding, the prompt of traces.
+
+    A diffusion system without an operating point (refused on validation, or never chosen) raises
+    `NoOperatingPoint`, unless `register_without_operating_point` serves it at `fallback_tau`, tagged.
+    """
     from diffusion_gr2.core.rank.operating_point import OperatingPointError, resolve_operating_point
 
     tau, window, source = None, None, "ar"
     if system != "ar_rl":
-        point_file = Path(params["operating_point_file"])
+        operating_point_file = Path(params["operating_point_file"])
         try:
-            points = json.loads(point_file.read_text()) if point_file.exists() else None
-            tau, window = resolve_operating_point(points, system)
-            source = str(point_file)
+            chosen = json.loads(operating_point_file.read_text()) if operating_point_file.exists() else None
+            tau, window = resolve_operating_point(chosen, system)
+            source = str(operating_point_file)
         except OperatingPointError as err:
-            tau, source = float(params["fallback_tau"]), "fallback"
-            logger.warning("serving %s at the fallback tau %s: %s", system, tau, err)
+            if not params.get("register_without_operating_point", False):
+                raise NoOperatingPoint(str(err)) from err
+            tau = float(params["fallback_tau"])
+            source = f"fallback tau {tau} by register_without_operating_point: {err}"
+            logger.warning("registering %s at the fallback tau %s (override): %s", system, tau, err)
     config = ServingConfig(
         system=system,
         tau=tau,
@@ -73,22 +92,33 @@ def register_models(
     params: dict[str, Any],
     traces: dict[str, Any],
     inference: dict[str, Any],
-) -> dict[str, str]:
+) -> dict[str, str | None]:
     """Register `rl` as a new `diffusion-gr2` version and `ar_rl` as `diffusion-gr2-teacher`, both challenger.
 
     The model objects only order the node after training; the saved folders are what is registered.
+    When `rl` has no operating point nothing is registered (a model validation refused never becomes
+    a challenger): the versions are None and `not_registered` says why; the gate reports it.
     """
+    try:
+        configs = {s: _serving(s, params, traces, inference) for s in ("ar_rl", "rl")}
+    except NoOperatingPoint as err:
+        reason = (
+            f"rl not registered: {err} (set retrain.register_without_operating_point to register it "
+            f"at the fallback tau {params['fallback_tau']}, tagged as such)"
+        )
+        logger.warning("%s", reason)
+        return {"ar_rl": None, "rl": None, "not_registered": reason}
     digests, run = DigestCache(), mlflow.active_run()
     refs = {}
     for system, name in (("ar_rl", registry.TEACHER_MODEL), ("rl", registry.DIFFUSION_MODEL)):
         folder = Path(params["model_dirs"][system])
-        config, source = _serving(system, params, traces, inference)
+        config, source = configs[system]
         tags = {
             "lineage.model.name": f"model_{system}",
             "lineage.model.path": str(folder),
             "lineage.model.digest": digests.digest(folder) or "",
             "lineage.model.run_id": run.info.run_id if run else "",
-            "operating_point.source": source,
+            "operating_point.source": source[:5000],
         }
         if system == "rl":
             tags["teacher_version"] = refs["ar_rl"]
@@ -107,8 +137,29 @@ def _ranker(uri: str) -> Ranker:
     return mlflow.pyfunc.load_model(uri).unwrap_python_model().ranker
 
 
-def run_gate(versions: dict[str, str], requests: pd.DataFrame, params: dict[str, Any]) -> dict[str, Any]:
-    """Challenger vs champion vs teacher on the same requests; promote or refuse; log it either way."""
+def _not_registered(versions: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
+    """The gate's report when training produced no registrable challenger (no promotion, lock freed)."""
+    result = {
+        "decision": "not_registered",
+        "reasons": versions["not_registered"],
+        "decided_by": ["operating_point"],
+        "checks": [],
+        "numbers": {},
+        "challenger_version": None,
+        "teacher_version": None,
+        "champion_version": None,
+    }
+    if mlflow.active_run() is not None:
+        mlflow.set_tags({"gate.decision": result["decision"], "gate.reasons": result["reasons"][:5000]})
+    logger.warning("gate: nothing registered (%s)", result["reasons"])
+    release_lock(params["lock_file"])
+    return {"gate_report": result, "gate_metrics": as_metrics_history({})}
+
+
+def run_gate(versions: dict[str, Any], requests: pd.DataFrame, params: dict[str, Any]) -> dict[str, Any]:
+    """Challenger vs champion, teacher and pre-rank on the same requests; promote or refuse; log it."""
+    if versions.get("rl") is None:
+        return _not_registered(versions, params)
     config, client = GateConfig(**params["gate"]), MlflowClient()
     challenger = _ranker(f"models:/{registry.DIFFUSION_MODEL}/{versions['rl']}")
     teacher = _ranker(f"models:/{registry.TEACHER_MODEL}/{versions['ar_rl']}")
@@ -121,7 +172,9 @@ def run_gate(versions: dict[str, str], requests: pd.DataFrame, params: dict[str,
     rates = speeds(compared, same, config)
     scores = {name: score(r, same) | {"output_tokens_per_s": rates[name]} for name, r in compared.items()}
     users = same["user"].tolist() if "user" in same else None
-    result = decide(scores["challenger"], scores.get("champion"), scores["teacher"], config, users)
+    result = decide(
+        scores["challenger"], scores.get("champion"), scores["teacher"], prerank_score(same), config, users
+    )
     result |= {
         "challenger_version": versions["rl"],
         "teacher_version": versions["ar_rl"],
@@ -138,6 +191,7 @@ def run_gate(versions: dict[str, str], requests: pd.DataFrame, params: dict[str,
     for key, value in {
         "gate.decision": result["decision"],
         "gate.reasons": result["reasons"][:5000],
+        "gate.decided_by": ",".join(result["decided_by"]),
         **{f"gate.{k.replace('@', '_at_')}": v for k, v in result["numbers"].items()},
     }.items():
         client.set_model_version_tag(registry.DIFFUSION_MODEL, versions["rl"], key, str(value))
