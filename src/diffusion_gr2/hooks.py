@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ from diffusion_gr2.core.tracking.lineage import (
     git_commit,
     input_record,
     log_record,
+    machine,
 )
 
 logger = logging.getLogger(__name__)
@@ -177,8 +179,10 @@ class NodeTimingHooks:
     """Where a run's time went: each node's wall time, logged and kept with the run.
 
     Logs `timing.<node>_s` on the active MLflow run as each node ends, writes
-    `data/08_reporting/node_times.json` (nodes slowest first, with the run's total) and prints the
-    slowest nodes at the end, so a team sizing the default run against its budget sees what to shrink.
+    `data/08_reporting/node_times.json` (nodes slowest first, the run's total, and what ran where:
+    start time, commit, environment, machine) and prints the slowest nodes at the end, so a team
+    sizing the default run against its budget sees what to shrink. A run of named pipelines writes
+    `node_times.<names>.json` instead, so `make benchmark` keeps the default run's record.
     """
 
     REPORT = Path("data/08_reporting/node_times.json")
@@ -187,10 +191,12 @@ class NodeTimingHooks:
         self._start: dict[str, float] = {}
         self._seconds: dict[str, float] = {}
         self._run_start = 0.0
+        self._started = ""
 
     @hook_impl
     def before_pipeline_run(self) -> None:
         self._start, self._seconds, self._run_start = {}, {}, time.perf_counter()
+        self._started = datetime.now(UTC).isoformat(timespec="seconds")
 
     @hook_impl
     def before_node_run(self, node: Any) -> None:
@@ -213,8 +219,25 @@ class NodeTimingHooks:
             return
         nodes = dict(sorted(self._seconds.items(), key=lambda kv: -kv[1]))
         total = time.perf_counter() - self._run_start
-        report = {"total_s": round(total, 1), "nodes_s": {name: round(sec, 1) for name, sec in nodes.items()}}
-        path = Path(run_params.get("project_path") or Path.cwd()) / self.REPORT
+        project = Path(run_params.get("project_path") or Path.cwd())
+        asked = run_params.get("pipeline_names") or [run_params.get("pipeline_name")]
+        names = [str(p) for p in asked if p and p != "__default__"]
+        run = {
+            "started": self._started,
+            "pipelines": names or ["__default__"],
+            "env": str(run_params.get("env") or "local"),
+            "nodes_run": "all" if not run_params.get("node_names") else list(run_params["node_names"]),
+            **git_commit(project),
+            **machine(),
+        }
+        report = {
+            "total_s": round(total, 1),
+            "nodes_s": {name: round(sec, 1) for name, sec in nodes.items()},
+            "run": run,
+        }
+        path = project / self.REPORT
+        if names:
+            path = path.with_name(f"node_times.{'+'.join(names)}.json")
         if path.parent.is_dir():
             path.write_text(json.dumps(report, indent=2) + "\n")
         top = ", ".join(f"{name} {sec / 60:.1f} min" for name, sec in list(nodes.items())[:6])

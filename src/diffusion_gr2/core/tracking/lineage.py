@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import os
 import subprocess
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
@@ -25,6 +26,15 @@ def git_commit(project_dir: Path) -> dict[str, str]:
     commit = git("rev-parse", "HEAD") or "unknown"
     dirty = git("status", "--porcelain", "--untracked-files=no")
     return {"git_commit": commit, "git_dirty": str(bool(dirty)).lower()}
+
+
+def machine() -> dict[str, Any]:
+    """What a run's timings were taken on: CPU cores it may use, torch's threads, the GPU or none."""
+    import torch
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    return {"cpu_cores": cores, "torch_threads": torch.get_num_threads(), "gpu": gpu}
 
 
 def dvc_hashes(project_dir: Path) -> dict[str, str]:
