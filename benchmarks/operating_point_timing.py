@@ -3,10 +3,12 @@
     .venv/bin/python benchmarks/operating_point_timing.py [--repeats 3] [--system rl] [--json OUT.json]
 
 Each repeat is what the inference node does to rank the candidates (`inference.operating_point`:
-its `taus` x `windows`, timed by `timing` with `core/rank/benchmark.py::time_candidates` on the first
-validation prompts, under the grammar): output tokens/s per batch size and their geometric mean.
-Prints each repeat's figures, the candidate it would serve and what the timing cost. Accuracy is not
-re-checked here: which candidates qualify is in the run's `operating_point.json`.
+its `taus` x `windows`, timed by `timing` with `core/bench/benchmark.py::time_candidates`, the one
+harness, on the first validation prompts, under the grammar, with `ar_rl` in the same rounds):
+output tokens/s per batch size and per round their geometric mean, the median over rounds, and the
+speed-up against `ar_rl` with its interval (paired by round; the statistic is printed). Prints each
+repeat's figures, the candidate it would serve and what the timing cost. Accuracy is not re-checked
+here: which candidates qualify is in the run's `operating_point.json`.
 """
 
 from __future__ import annotations
@@ -21,8 +23,8 @@ import torch
 import yaml
 from transformers import AutoTokenizer
 
+from diffusion_gr2.core.bench.benchmark import BenchmarkConfig, ranked_speed, time_candidates
 from diffusion_gr2.core.model.factory import load_model
-from diffusion_gr2.core.rank.benchmark import BenchmarkConfig, ranked_speed, time_candidates
 from diffusion_gr2.core.rank.rerank import RerankConfig, request_grammars, select_requests
 from diffusion_gr2.pipelines.inference.nodes import operating_point_settings
 
@@ -47,25 +49,41 @@ def main() -> None:
     valid = select_requests(pd.read_parquet(args.requests), "valid", bench.n_prompts)
     prompts = [list(p) for p in valid["prompt_ids"]]
     model = load_model(args.models / args.system).eval()
+    reference = load_model(args.models / bench.reference).eval()  # timed beside, as the node does
     config = RerankConfig(**params["decoding"])
     grammars = request_grammars(tokenizer, valid) if config.constrained else None
     candidates = operating_point_settings(params)
     repeats = []
     for r in range(args.repeats):
         start = time.perf_counter()
-        timed = time_candidates(model, args.system, candidates, prompts, tokenizer, config, bench, grammars)
+        timed = time_candidates(
+            model,
+            args.system,
+            candidates,
+            prompts,
+            tokenizer,
+            config,
+            bench,
+            grammars,
+            reference_model=reference,
+        )
         seconds = time.perf_counter() - start
-        rows = [{"tau": t, "window": w} | ranked_speed(timed[(t, w)]) for t, w in candidates]
+        rows = [
+            {"tau": t, "window": w} | ranked_speed(timed[(t, w)], timed[None], bench.reference)
+            for t, w in candidates
+        ]
         best = max(rows, key=lambda row: row["tokens_per_s"])
         repeats.append({"seconds": seconds, "candidates": rows, "fastest": [best["tau"], best["window"]]})
+        name = f"speedup_vs_{bench.reference}"
         cells = "; ".join(
             f"tau {row['tau']} window {row['window'] or '-'}: "
             + " ".join(f"b{b} {v:.0f}" for b, v in row["tokens_per_s_by_batch"].items())
-            + f" -> {row['tokens_per_s']:.0f}"
+            + f" -> {row['tokens_per_s']:.0f}, {row[name]:.2f}x [{row[name + '_low']:.2f}, {row[name + '_high']:.2f}]"
             for row in rows
         )
         print(
-            f"repeat {r}: {seconds:.1f} s; {cells}; fastest tau {best['tau']} window {best['window'] or '-'}"
+            f"repeat {r}: {seconds:.1f} s ({rows[0]['statistic']}); {cells}; "
+            f"fastest tau {best['tau']} window {best['window'] or '-'}"
         )
     if args.json:
         args.json.write_text(json.dumps(repeats, indent=2))

@@ -7,7 +7,7 @@ Reads the trained systems from `data/06_models/<system>`, the requests from
 `data/08_reporting/operating_point.json` (written by `inference`; without it the diffusion systems
 are timed only in rl's tau sweep) and every setting from `conf/base/parameters_benchmark.yml` (flags
 override a few), then times them with the same core function as the Kedro node
-(`core.rank.benchmark.benchmark_requests`): ar_rl, `generate` on its weights, each diffusion system at
+(`core.bench.benchmark.benchmark_requests`): ar_rl, `generate` on its weights, each diffusion system at
 its operating point, under the answer grammar and free. Made for machines that hold the models but not
 the project's environment, such as a GPU box with only PyTorch and transformers. Writes
 `benchmark.json` and `speedup_by_length.json` to `--out` and prints the table.
@@ -26,8 +26,8 @@ import torch
 import yaml
 from transformers import AutoTokenizer
 
+from diffusion_gr2.core.bench.benchmark import BenchmarkConfig, benchmark_requests, format_table
 from diffusion_gr2.core.model.factory import load_model
-from diffusion_gr2.core.rank.benchmark import BenchmarkConfig, benchmark_requests, format_table
 from diffusion_gr2.core.rank.rerank import RerankConfig
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -10,7 +10,7 @@ from pathlib import Path
 import mlflow
 import pandas as pd
 
-from diffusion_gr2.core.rank.benchmark import BENCHMARK_KEYS
+from diffusion_gr2.core.bench.benchmark import BENCHMARK_KEYS
 from diffusion_gr2.core.rank.rerank import stage_metrics
 from tests.conftest import PROJECT_ROOT, run_kedro
 
@@ -196,8 +196,10 @@ def test_decode_profile_and_variants_scripts_run_on_the_trained_models(dag_run: 
         b: [r["tokens"] for r in profile["settings"] if r["backend"] == b] for b in ("lean", "eager")
     }
     assert by_backend["lean"] == by_backend["eager"]  # the same tokens from either forward
-    assert set(profile["canvas_ms"]) == {f"rl@{b}/{f}" for b in (1, 2) for f in ("lean", "eager")}
-    assert "forward cost" in out
+    assert set(profile["step_costs"]) == {f"rl@{b}/{f}" for b in (1, 2) for f in ("lean", "eager")}
+    for costs in profile["step_costs"].values():  # every step kind reads LM-head rows, relative to AR
+        assert costs["cost"]["ar_step"]["ratio"] == 1.0 and min(costs["logit_rows"].values()) >= 1
+    assert "forward cost" in out and profile["statistic"].startswith("median of 3 interleaved rounds")
     for row in profile["settings"]:  # diffusion rows split their tokens by part of the answer
         regions = row["regions"]
         assert (row["system"] == "rl") == bool(regions)

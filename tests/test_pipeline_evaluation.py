@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import statistics
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -13,8 +14,8 @@ import pytest
 import torch
 import yaml
 
+from diffusion_gr2.core.bench.benchmark import BENCHMARK_KEYS
 from diffusion_gr2.core.model.factory import save_model
-from diffusion_gr2.core.rank.benchmark import BENCHMARK_KEYS
 from diffusion_gr2.core.rank.metrics import METRICS
 from diffusion_gr2.core.rank.rerank import AR_SYSTEMS, DIFFUSION_SYSTEMS, SYSTEMS, stage_metrics
 from tests.conftest import isolated_project, run_kedro
@@ -216,7 +217,12 @@ def test_benchmark_pipeline_times_ar_generate_and_each_operating_point(benchmark
             if a["system"] == "ar_rl"
             and (a["batch_size"], a["constrained"]) == (r["batch_size"], r["constrained"])
         )
-        assert r["speedup_vs_ar"] == pytest.approx(r["output_tokens_per_s"] / ref["output_tokens_per_s"])
+        paired = [
+            x / y for x, y in zip(r["tokens_per_s_by_round"], ref["tokens_per_s_by_round"], strict=True)
+        ]
+        assert r["speedup_vs_ar"] == pytest.approx(statistics.median(paired))  # paired by round
+        assert min(paired) <= r["speedup_vs_ar_low"] <= r["speedup_vs_ar"] <= r["speedup_vs_ar_high"]
+        assert r["statistic"].startswith("median of ") and "speed-up interval" in r["statistic"]
     by_length = json.loads((benchmark_run / "data/08_reporting/speedup_by_length.json").read_text())
     # the length sweep: every served line (and opd's unserved one) under the smoke budgets and its own
     assert {(r["system"], r["budget"]) for r in by_length} == {
@@ -227,6 +233,7 @@ def test_benchmark_pipeline_times_ar_generate_and_each_operating_point(benchmark
     mlflow.set_tracking_uri(f"sqlite:///{benchmark_run / 'mlflow.db'}")
     (run,) = mlflow.search_runs(experiment_names=["diffusion-gr2"], output_format="list")
     assert "bench.rl.tau0.9.w2.b4.grammar.speedup_vs_ar" in run.data.metrics
+    assert "bench.rl.tau0.9.w2.b4.grammar.speedup_vs_ar_low" in run.data.metrics
     plots = {a.path for a in mlflow.MlflowClient().list_artifacts(run.info.run_id, "plots")}
     assert {"plots/speedup_by_batch.png", "plots/speedup_by_length.png"} <= plots
     report = (benchmark_run / "data/08_reporting/report.md").read_text()  # re-rendered with the table

@@ -87,15 +87,20 @@ def test_the_operating_point_ranks_candidates_by_their_timed_speed(world) -> Non
         "windows": [None, 2],
         "timing": {"n_prompts": 3, "batch_sizes": [1, 2], "rounds": 1, "min_calls": 1, "warmup": 0},
     }
-    ar = make_rerank_node("ar_rl")(tiny_model_for(tokenizer), requests, tokenizer, params)
+    ar_model = tiny_model_for(tokenizer)
+    ar = make_rerank_node("ar_rl")(ar_model, requests, tokenizer, params)
     diffusion = tiny_model_for(tokenizer, block_size=4)
-    point = make_rerank_node("rl")(diffusion, requests, tokenizer, params, ar)["operating_point"]
+    point = make_rerank_node("rl")(diffusion, requests, tokenizer, params, ar, ar_model)["operating_point"]
     assert len(point["candidates"]) == 2
     for c in point["candidates"]:
         by_batch = c["tokens_per_s_by_batch"]
         assert set(by_batch) == {"1", "2"} and c["timed_prompts"] == 3
         assert c["tokens_per_s"] == pytest.approx((by_batch["1"] * by_batch["2"]) ** 0.5)
         assert c["pass_tokens_per_s"] > 0  # the validation pass's own figure is kept beside it
+        # ar_rl timed in the same (one) round: the speed-up and its interval, the statistic named
+        assert c["speedup_vs_ar_rl_low"] == c["speedup_vs_ar_rl"] == c["speedup_vs_ar_rl_high"] > 0
+        assert set(c["speedup_vs_ar_rl_by_batch"]) == {"1", "2"}
+        assert c["statistic"].startswith("median of 1 interleaved round")
     fastest = max(point["candidates"], key=lambda c: c["tokens_per_s"])
     assert (point["tau"], point["window"]) == (fastest["tau"], fastest["window"])
 

@@ -148,11 +148,14 @@ def test_benchmark_rerenders_the_report_with_its_table(dag_run: Path, reports: d
             row["batch_size"],
             row["constrained"],
         )
-        for (key, _, digits), text in zip(BENCHMARK_COLUMNS, cells[6:], strict=True):
-            if row[key] is None:
-                assert text == "—"
-            else:
-                assert float(text) == pytest.approx(row[key], abs=0.51 * 10**-digits), key
+        for (key, _, digits), text in zip(BENCHMARK_COLUMNS, cells[6:-1], strict=True):
+            assert float(text) == pytest.approx(row[key], abs=0.51 * 10**-digits), key
+        if row["speedup_vs_ar"] is None:  # the last column: the speed-up with its interval
+            assert cells[-1] == "—"
+        else:
+            _assert_cell(
+                cells[-1], row["speedup_vs_ar"], [row["speedup_vs_ar_low"], row["speedup_vs_ar_high"]]
+            )
     assert "](plots/speedup_by_batch.png)" in report
     timed = [r for r in rows if r["batch_size"] == 1 and r["constrained"] and r["system"] != "generate"]
     assert timed and "no benchmark.json" not in report

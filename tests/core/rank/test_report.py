@@ -58,6 +58,9 @@ def _bench(
         "constrained": constrained, "backend": "eager", "output_tokens_per_s": tps, "nfe_per_sample": 10.0,
         "tokens_per_forward": 2.0, "latency_p50_ms": 1.0, "latency_p95_ms": 2.0, "mean_output_tokens": 100.0,
         "device": "cpu", "speedup_vs_ar": None if system == "ar_rl" else tps / 100.0,
+        "speedup_vs_ar_low": None if system == "ar_rl" else tps / 110.0,
+        "speedup_vs_ar_high": None if system == "ar_rl" else tps / 90.0,
+        "statistic": "median of 4 interleaved rounds; speed-up interval: per-round ratios ranked 1 and 4 of 4 (87.5%)",
     }  # fmt: skip
 
 
@@ -118,7 +121,11 @@ def test_benchmark_rows_make_a_table_and_a_batch_plot() -> None:
     figures = R.report_figures(inputs)
     text = R.render_markdown(inputs, figures)
     assert "speedup_by_batch" in figures and "](plots/speedup_by_batch.png)" in text
-    assert "| rl | 0.9 | — | yes | 4 | grammar | 600.0 | 10.00 | 2.000 | 1.0 | 2.0 | 100.0 | 6.000 |" in text
+    assert (
+        "| rl | 0.9 | — | yes | 4 | grammar | 600.0 | 10.00 | 2.000 | 1.0 | 2.0 | 100.0 | 6.0000 [5.455, 6.667] |"
+        in text
+    )
+    assert "Tokens/s and speed-ups: median of 4 interleaved rounds; speed-up interval:" in text  # named
     assert "| rl | 0.9 | — | yes | 10 |" in text  # the served variant is marked in the stage table
     html = R.markdown_to_html(text, figures)
     assert html.count("data:image/png;base64,") == 4 and "](plots/" not in html and "<table>" in html
@@ -130,12 +137,42 @@ def test_operating_point_candidates_are_listed_with_their_timed_speeds() -> None
                 "tokens_per_s_by_batch": {"1": at1, "16": at16}, "tokens_per_s": (at1 * at16) ** 0.5}  # fmt: skip
 
     candidates = [candidate(0.9, None, 1000.0, 4000.0), candidate(0.6, 4, 1600.0, 4900.0)]
+    candidates[1] |= {"speedup_vs_ar_rl": 1.25, "speedup_vs_ar_rl_low": 1.1, "speedup_vs_ar_rl_high": 1.4}
+    candidates[1]["statistic"] = "median of 3 interleaved rounds"
     point = {"tau": 0.6, "window": 4, "budget": 0.01, "chosen": candidates[1], "candidates": candidates}
     text = R.render_markdown(_inputs(operating_point={"rl": point}), {})
     assert "| system | tau | window | R@1 | own valid | tokens/forward | tokens/s @1 | tokens/s @16 |" in text
-    assert "| rl | 0.9 | — | 0.1500 | 0.6000 | 3.000 | 1000.0 | 4000.0 | 2000.0 |  |" in text
-    assert "| rl | 0.6 | 4 | 0.1500 | 0.6000 | 3.000 | 1600.0 | 4900.0 | 2800.0 | yes |" in text
-    assert "geometric mean" in text
+    assert "| rl | 0.9 | — | 0.1500 | 0.6000 | 3.000 | 1000.0 | 4000.0 | 2000.0 | — |  |" in text
+    assert (
+        "| rl | 0.6 | 4 | 0.1500 | 0.6000 | 3.000 | 1600.0 | 4900.0 | 2800.0 | 1.2500 [1.100, 1.400] | yes |"
+        in text
+    )
+    assert "geometric mean" in text and "(median of 3 interleaved rounds)" in text
+
+
+def test_the_forward_cost_table_is_relative_to_an_ar_step_with_intervals() -> None:
+    def ratio(value: float) -> dict:
+        return {"ratio": value, "ratio_low": value - 0.1, "ratio_high": value + 0.1}
+
+    setting = {"system": "rl", "tau": 0.9, "window": 0, "batch": 1, "tokens_per_forward": 3.0,
+               "ms_per_forward_call": 1.0, "wall_s": 2.0, "forward_s": 1.0, "grammar_s": 0.5, "other_s": 0.5,
+               "tokens_per_s": 900.0, "speedup_vs_ar": 1.5, "speedup_vs_ar_low": 1.4, "speedup_vs_ar_high": 1.6}  # fmt: skip
+    profile = {
+        "statistic": "median of 3 interleaved rounds",
+        "step_statistic": "median of 15 interleaved rounds",
+        "settings": [setting],
+        "step_costs": {"rl@1/lean": {"ms": {}, "cost": {"ar_step": ratio(1.0), "canvas_8": ratio(1.3)},
+                                     "logit_rows": {"ar_step": 1, "canvas_8": 7}}},
+    }  # fmt: skip
+    text = R.render_markdown(_inputs(decode_profile=profile), {})
+    assert (
+        "| rl | 0.9 | — | 1 | 3.000 | 1.000 | 0.500 | 0.250 | 0.250 | 900.0 | 1.5000 [1.400, 1.600] |" in text
+    )
+    assert "| setting | ar_step (1 rows) | canvas_8 (7 rows) |" in text
+    assert "| rl@1/lean | 1.0000 [0.900, 1.100] | 1.3000 [1.200, 1.400] |" in text
+    assert "Tokens/s: median of 3 interleaved rounds." in text and "median of 15 interleaved rounds" in text
+    old = R.render_markdown(_inputs(decode_profile={"settings": [], "canvas_ms": {"rl@1/lean": {}}}), {})
+    assert "predates the step-cost fix" in old
 
 
 def test_training_curves_come_from_the_newest_run_that_logged_each_stage(tmp_path: Path) -> None:

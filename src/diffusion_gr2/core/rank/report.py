@@ -65,8 +65,7 @@ BENCHMARK_COLUMNS = (
     ("latency_p50_ms", "p50 ms", 1),
     ("latency_p95_ms", "p95 ms", 1),
     ("mean_output_tokens", "output tokens", 1),
-    ("speedup_vs_ar", "speed-up vs ar_rl", 3),
-)
+)  # then the speed-up vs ar_rl with its interval (`_ratio`)
 PLOTS = {  # figure name -> file under data/08_reporting/plots (the catalog writes them there)
     "frontier": "plots/frontier.png",
     "own_valid_rate": "plots/own_valid_rate.png",
@@ -225,6 +224,21 @@ def _cell(row: Mapping[str, Any], metric: str, signed: bool = False) -> str:
     return f"{value:{fmt}} [{low:{bound}}, {high:{bound}}]"
 
 
+def _ratio(row: Mapping[str, Any], name: str) -> str:
+    """A speed-up with its interval, `1.5200 [1.310, 1.600]` (the `name`, `name_low`, `name_high` keys of
+    the timing harness); `—` when not timed against the reference, or in a file older than intervals."""
+    value, low, high = (row.get(k) for k in (name, f"{name}_low", f"{name}_high"))
+    if value is None or low is None or high is None:
+        return "—"
+    return f"{value:.4f} [{low:.3f}, {high:.3f}]"
+
+
+def _statistics(rows: Sequence[Mapping[str, Any]]) -> str:
+    """The harness statistic the rows name (`statistic`), for the text above their table."""
+    names = sorted({str(r["statistic"]) for r in rows if r.get("statistic")})
+    return "; ".join(names) if names else "not named (a file older than the timing harness)"
+
+
 def _tau(row: Mapping[str, Any]) -> str:
     return "—" if row.get("tau") is None else f"{row['tau']:g}"
 
@@ -373,16 +387,21 @@ def _candidates_table(inputs: ReportInputs) -> str:
                     _num(c.get("tokens_per_forward"), 3),
                     *(_num(by_batch.get(str(b)), 1) for b in batches),
                     _num(c.get("tokens_per_s"), 1),
+                    _ratio(c, f"speedup_vs_{inputs.reference}"),
                     "yes" if picked else "",
                 ]  # fmt: skip
             )
     if not rows:
         return ""
     head = ["system", "tau", "window", "R@1", "own valid", "tokens/forward",
-            *(f"tokens/s @{b}" for b in batches), "speed ranked", "chosen"]  # fmt: skip
+            *(f"tokens/s @{b}" for b in batches), "speed ranked", f"speed-up vs {inputs.reference} [interval]",
+            "chosen"]  # fmt: skip
+    candidates = [c for _, p in points for c in p.get("candidates", [])]
     timed = (
-        f" Speeds timed side by side on the first validation prompts at batch {', '.join(map(str, batches))} "
-        "(all calls of interleaved rounds); *speed ranked* is their geometric mean."
+        f" Speeds timed side by side on the first validation prompts at batch {', '.join(map(str, batches))}, "
+        f"with `{inputs.reference}` in the same interleaved rounds; *speed ranked* is per round the geometric "
+        "mean over the batch sizes, the speed-up per round the geometric mean of the ratios, paired by "
+        f"round ({_statistics(candidates)})."
         if batches
         else " Speeds are the validation passes' own."
     )
@@ -447,7 +466,7 @@ def _benchmark_section(inputs: ReportInputs) -> str:
     for b in inputs.benchmark:
         cells = [str(b["system"]), _tau(b), _window(b), "yes" if b.get("operating_point") else "sweep",
                  str(b["batch_size"]), "grammar" if b["constrained"] else "free"]  # fmt: skip
-        rows.append(cells + [_num(b[k], d) for k, _, d in BENCHMARK_COLUMNS])
+        rows.append(cells + [_num(b[k], d) for k, _, d in BENCHMARK_COLUMNS] + [_ratio(b, "speedup_vs_ar")])
     head = [
         "system",
         "tau",
@@ -456,11 +475,14 @@ def _benchmark_section(inputs: ReportInputs) -> str:
         "batch",
         "decoding",
         *(h for _, h, _ in BENCHMARK_COLUMNS),
+        f"speed-up vs {inputs.reference} [interval]",
     ]
     return (
         title + f"One run on `{device}`. Output tokens/s counts output tokens only; latency is per "
-        "request; speed-up is against `ar_rl` at the same batch size and grammar flag, in the same "
-        "run. *sweep* rows are the threshold sweep behind the frontier.\n\n" + _table(head, rows)
+        f"request; speed-up is against `{inputs.reference}` at the same batch size and grammar flag, in "
+        "the same run, paired by round. Tokens/s and speed-ups: "
+        f"{_statistics(inputs.benchmark)}. *sweep* rows are the threshold sweep behind the frontier."
+        "\n\n" + _table(head, rows)
     )
 
 
@@ -487,24 +509,32 @@ def _profile_section(inputs: ReportInputs) -> str:
                 _num(s["grammar_s"] / wall, 3),
                 _num(s["other_s"] / wall, 3),
                 _num(s["tokens_per_s"], 1),
+                _ratio(s, "speedup_vs_ar"),
             ]  # fmt: skip
         )
     head = ["system", "tau", "window", "batch", "tokens/forward", "ms/forward", "forward share", "grammar share",
-            "other share", "tokens/s"]  # fmt: skip
-    text = title + _table(head, rows)
-    costs = inputs.decode_profile.get("canvas_ms", {})
+            "other share", "tokens/s", "speed-up vs AR [interval]"]  # fmt: skip
+    profile = inputs.decode_profile
+    text = title + f"Tokens/s: {profile.get('statistic', _statistics([]))}.\n\n" + _table(head, rows)
+    costs = profile.get("step_costs", {})
     if costs:
-        widths = list(dict.fromkeys(k for c in costs.values() for k in c))
+        kinds = list(dict.fromkeys(k for c in costs.values() for k in c["cost"]))
+        rows_read = {k: n for c in costs.values() for k, n in c["logit_rows"].items()}
         cost_rows = [
-            [name, *(_num(c[w] / c["canvas_1"], 3) if w in c and c.get("canvas_1") else "—" for w in widths)]
+            [name, *(_ratio(c["cost"][k], "ratio") if k in c["cost"] else "—" for k in kinds)]
             for name, c in costs.items()
         ]
         text += (
-            "\n\nCost of one forward by canvas width, relative to a one-token forward (system@batch). "
-            "A diffusion step beats AR only where its tokens per forward exceed this ratio; at large "
-            "batches the forward becomes compute-bound and the ratio grows.\n\n"
-            + _table(["setting", *widths], cost_rows)
+            "\n\nCost of one decoding step of each kind relative to an AR step (one new token, one "
+            "LM-head row), per setting (system@batch/forward): `canvas_q` = a later step of a block, q "
+            "positions fed and q - 1 LM-head rows read; `fused_k+q` = a finished block of k with the next "
+            f"canvas of q, q rows read ({profile.get('step_statistic', '')}). A diffusion step beats AR only "
+            "where its tokens per forward exceed this ratio; at large batches the forward becomes "
+            "compute-bound and the ratio grows.\n\n"
+            + _table(["setting", *(f"{k} ({rows_read[k]} rows)" for k in kinds)], cost_rows)
         )
+    elif "canvas_ms" in profile:  # written before issue 28: its canvas rows had no LM head
+        text += "\n\n*This file's forward-cost table predates the step-cost fix; rerun the script.*"
     return text
 
 

@@ -21,7 +21,7 @@ from typing import Any
 import pandas as pd
 from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
-from diffusion_gr2.core.rank.benchmark import BenchmarkConfig, ranked_speed, time_candidates
+from diffusion_gr2.core.bench.benchmark import BenchmarkConfig, ranked_speed, time_candidates
 from diffusion_gr2.core.rank.metrics import user_values
 from diffusion_gr2.core.rank.operating_point import (
     OperatingPointError,
@@ -94,7 +94,8 @@ def make_rerank_node(system: str) -> Callable[..., pd.DataFrame | dict[str, Any]
 
     An AR system's node returns its rankings frame; a diffusion system's a dict of its rankings and
     its operating point (None when it is not chosen for that system), with `reference` the
-    rankings of `operating_point.reference` (`ar_rl`).
+    rankings of `operating_point.reference` (`ar_rl`) and `reference_model` its model (timed beside
+    the candidates).
     """
 
     def rerank_model(
@@ -103,6 +104,7 @@ def make_rerank_node(system: str) -> Callable[..., pd.DataFrame | dict[str, Any]
         tokenizer: PreTrainedTokenizerFast,
         params: dict[str, Any],
         reference: pd.DataFrame | None = None,
+        reference_model: PreTrainedModel | None = None,
     ) -> pd.DataFrame | dict[str, Any]:
         config = RerankConfig(**params["decoding"])
         model = prepare_model(model, config.device)
@@ -116,7 +118,9 @@ def make_rerank_node(system: str) -> Callable[..., pd.DataFrame | dict[str, Any]
             if chooses:
                 timing = params["operating_point"].get("timing")
                 if timing:
-                    speeds = _timed_speeds(speeds, model, system, valid, tokenizer, config, timing)
+                    speeds = _timed_speeds(
+                        speeds, model, system, valid, tokenizer, config, timing, reference_model
+                    )
                 point = _operating_point(system, speeds, reference, params["operating_point"])
         if "test" in params["splits"]:
             test = _split_requests(requests, params, "test")
@@ -139,23 +143,36 @@ def _timed_speeds(
     tokenizer: PreTrainedTokenizerFast,
     config: RerankConfig,
     timing: dict[str, Any],
+    reference_model: PreTrainedModel | None = None,
 ) -> list[dict[str, Any]]:
-    """The candidates with their speed timed side by side (`time_candidates`) on validation prompts.
+    """The candidates with their speed timed side by side (`time_candidates`, the one harness) on
+    validation prompts, and the reference (`ar_rl`, `reference_model`) in the same rounds.
 
-    `tokens_per_s` becomes `ranked_speed` (the geometric mean over the timing batch sizes); the
-    pass's own figure stays as `pass_tokens_per_s`, the per-batch figures as `tokens_per_s_by_batch`.
+    `tokens_per_s` becomes `ranked_speed`'s (per round the geometric mean over the timing batch
+    sizes, median over rounds, named in `statistic`), with `speedup_vs_ar_rl` and its interval
+    (`_low`, `_high`: paired by round) when the reference was timed; the pass's own figure stays as
+    `pass_tokens_per_s`, the per-batch figures as `tokens_per_s_by_batch`.
     """
     bench = BenchmarkConfig.from_params(timing)
     head = valid.head(bench.n_prompts)
     if head.empty:  # nothing to time on: the passes' own figures (nan for an empty split) stand
         logger.warning("%s: no validation prompts to time the operating point's candidates on", system)
         return speeds
+    if reference_model is None:
+        logger.warning("%s: %s not timed beside the candidates: no speed-ups", system, bench.reference)
+    else:
+        reference_model = prepare_model(reference_model, config.device)
     prompts = [list(p) for p in head["prompt_ids"]]
     grammars = request_grammars(tokenizer, head) if config.constrained else None
     settings = [(float(s["tau"]), s["window"]) for s in speeds]
-    timed = time_candidates(model, system, settings, prompts, tokenizer, config, bench, grammars)
+    timed = time_candidates(
+        model, system, settings, prompts, tokenizer, config, bench, grammars, reference_model=reference_model
+    )
+    ref = timed.get(None)
     return [
-        s | {"pass_tokens_per_s": s["tokens_per_s"], "timed_prompts": len(prompts)} | ranked_speed(timed[key])
+        s
+        | {"pass_tokens_per_s": s["tokens_per_s"], "timed_prompts": len(prompts)}
+        | ranked_speed(timed[key], ref, bench.reference)
         for s, key in zip(speeds, settings, strict=True)
     ]
 

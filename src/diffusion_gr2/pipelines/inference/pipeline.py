@@ -2,7 +2,8 @@
 
 One node per system, so `create_pipeline(systems=...)` can leave out systems whose model is not
 trained yet (Kedro parameters are not available when pipelines are built). Diffusion systems read
-the reference's (`ar_rl`) rankings to choose their operating point on validation.
+the reference's (`ar_rl`) rankings to choose their operating point on validation, and its model to
+time the candidates' speed-ups against it in the same rounds.
 """
 
 from __future__ import annotations
@@ -29,8 +30,8 @@ def _system_node(system: str, systems: Sequence[str]) -> Node:
     if system == "prerank":
         return Node(rerank_prerank, ["requests", "params:inference"], _output(system), name="rerank_prerank")
     inputs = [f"model_{system}", "requests", "tokenizer", "params:inference"]
-    if system not in AR_SYSTEMS and REFERENCE in systems:
-        inputs.append(f"rankings_{REFERENCE}")
+    if system not in AR_SYSTEMS and REFERENCE in systems:  # its rankings and its model (timed beside)
+        inputs += [f"rankings_{REFERENCE}", f"model_{REFERENCE}"]
     return Node(make_rerank_node(system), inputs=inputs, outputs=_output(system), name=f"rerank_{system}")
 
 

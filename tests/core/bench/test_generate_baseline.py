@@ -8,9 +8,9 @@ import pytest
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
+from diffusion_gr2.core.bench.generate_baseline import generate_tokens
 from diffusion_gr2.core.decode.decoder import decode
 from diffusion_gr2.core.decode.grammar import AnswerGrammar
-from diffusion_gr2.core.rank.generate_baseline import generate_tokens
 from diffusion_gr2.core.rank.rerank import RerankConfig, decode_config_for, request_grammars
 from tests.core.model.tiny import tiny_model_for
 from tests.core.rank.world import make_world

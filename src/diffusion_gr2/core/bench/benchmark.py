@@ -11,14 +11,15 @@ What is timed (DESIGN §8, issues 13 and 17), one `benchmark.json` row per setti
   the speed/accuracy frontier.
 Every line is timed under each request's answer grammar (as served; its per-token cost is in the
 figures) and free (the model alone). `speedup_vs_ar` is the ratio of output tokens/s to `ar_rl` at the
-same batch size and the same constrained flag, measured in the same run.
+same batch size and the same constrained flag, measured in the same run, paired by round, with its
+interval (`speedup_vs_ar_low`, `_high`).
 
-How. Throughput counts OUTPUT tokens only (the end-of-output token included, never prompt tokens: a
-pain point of published numbers). A batch is always full: prompts are cycled, so batch 32 really
-decodes 32 rows together. Every setting gets at least `min_calls` timed calls over all rounds (and
-decodes every prompt at least once), after `warmup` untimed calls before its first timed one
-(allocator, kernel selection, caches). Settings are timed round after round, so a machine whose speed
-drifts slows every setting alike. The device is synchronised before the clock is read.
+How: the one timing harness (`harness.py`: warm-up, interleaved rounds, full batches, the median
+over rounds, sign-test intervals of the per-round ratios; each row names it in `statistic` and keeps
+its per-round figures in `tokens_per_s_by_round`). Throughput counts OUTPUT tokens only (the
+end-of-output token included, never prompt tokens: a pain point of published numbers). Every setting
+gets at least `min_calls` timed calls over all rounds (and decodes every prompt at least once). The
+device is synchronised before the clock is read.
 
 Per request: every request of a call waits for the whole call, so its latency is the call's, and
 p50/p95 over requests are those over calls (all calls of a setting have the same batch size). NFE
@@ -33,21 +34,33 @@ ranking; `speedup_by_length` compares each budget with the reference under the s
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, TypeVar
+from typing import Any
 
 import numpy as np
 import pandas as pd
 import torch
-from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from diffusion_gr2.core.bench.generate_baseline import generate_tokens
+from diffusion_gr2.core.bench.harness import (
+    Call,
+    Ratio,
+    TimedSystem,
+    geometric_mean_ratios,
+    interval_fields,
+    paired_ratios,
+    ratio_interval,
+    round_rates,
+    speedup,
+    statistic,
+    time_rounds,
+    tokens_per_s,
+)
 from diffusion_gr2.core.decode.decoder import decode, resolved_backend
 from diffusion_gr2.core.decode.grammar import TokenConstraint
-from diffusion_gr2.core.rank.generate_baseline import generate_tokens
 from diffusion_gr2.core.rank.operating_point import OperatingPointError, resolve_operating_point
 from diffusion_gr2.core.rank.rerank import (
     AR_SYSTEMS,
@@ -59,7 +72,8 @@ from diffusion_gr2.core.rank.rerank import (
 )
 
 logger = logging.getLogger(__name__)
-T = TypeVar("T")
+Request = tuple[list[int], TokenConstraint | None]  # a prompt and its answer grammar (None: none given)
+Rounds = list[list[Call]]  # one setting's calls, per round
 
 __all__ = [
     "backend_of",
@@ -67,20 +81,16 @@ __all__ = [
     "GENERATE",
     "BenchmarkConfig",
     "BenchmarkResult",
-    "Setting",
+    "TimedSetting",
     "add_speedups",
     "benchmark_requests",
-    "calls_per_round",
-    "cycled_batches",
     "describe_device",
     "format_table",
-    "full_batches",
     "plan_settings",
     "ranked_speed",
     "run_benchmark",
     "speedup_by_length",
     "summarize",
-    "time_calls",
     "time_candidates",
 ]
 
@@ -101,7 +111,12 @@ BENCHMARK_KEYS = (
     "mean_output_tokens",
     "device",
     "speedup_vs_ar",
-)  # DESIGN §10 keys of a `benchmark.json` row, plus `window` and `operating_point`
+    "speedup_vs_ar_low",
+    "speedup_vs_ar_high",
+    "statistic",
+    "tokens_per_s_by_round",
+)  # DESIGN §10 keys of a `benchmark.json` row, plus `window`, `operating_point`, the speed-up's
+# interval, the statistic's name and the per-round figures it is the median of
 
 
 @dataclass(frozen=True)
@@ -156,8 +171,8 @@ class BenchmarkConfig:
 
 
 @dataclass(frozen=True)
-class Setting:
-    """One timed configuration, one `benchmark.json` row."""
+class TimedSetting:
+    """One timed configuration of a system's decoding, one `benchmark.json` row."""
 
     system: str  # a system, or GENERATE
     tau: float | None  # commit threshold; None = AR (block size 1)
@@ -173,22 +188,13 @@ class Setting:
 
 
 @dataclass(frozen=True)
-class Call:
-    """One timed decode call: its wall time and, per row, output tokens and forwards."""
-
-    latency_s: float
-    output_tokens: list[int]
-    nfe: list[int]
-
-
-@dataclass(frozen=True)
 class BenchmarkResult:
     """`benchmark.json` rows, per-request samples at batch 1 (as served), the speed-up by output length."""
 
     rows: list[dict[str, Any]]
     samples: pd.DataFrame  # system, tau, window, output_tokens, nfe, latency_s (one row per request)
     length_rows: list[dict[str, Any]]
-    calls: dict[tuple[str, float | None, int | None, bool, int], int]  # timed calls per `Setting.key`
+    calls: dict[tuple[str, float | None, int | None, bool, int], int]  # timed calls per `TimedSetting.key`
 
 
 def describe_device(device: torch.device) -> str:
@@ -198,34 +204,17 @@ def describe_device(device: torch.device) -> str:
     return f"{device.type} ({torch.get_num_threads()} threads)"
 
 
-def _synchronize(device: torch.device) -> None:
-    """Wait for queued GPU work so the clock measures it (CPU work is synchronous already)."""
+def synchronizer(device: torch.device) -> Callable[[], None]:
+    """What the harness calls before reading the clock: wait for queued GPU work (CPU work is
+    synchronous already)."""
     if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def cycled_batches(items: Sequence[T], batch_size: int, n_batches: int, start: int = 0) -> list[list[T]]:
-    """`n_batches` batches of exactly `batch_size` items, cycling through `items` from index `start`."""
-    if not items:
-        raise ValueError("the benchmark needs at least one prompt")
-    flat = [items[(start + i) % len(items)] for i in range(n_batches * batch_size)]
-    return [flat[i : i + batch_size] for i in range(0, len(flat), batch_size)]
-
-
-def full_batches(items: Sequence[T], batch_size: int) -> list[list[T]]:
-    """`ceil(n / batch_size)` batches of exactly `batch_size` items (prompts), cycling through `items`."""
-    return cycled_batches(items, batch_size, math.ceil(len(items) / batch_size) if items else 1)
-
-
-def calls_per_round(batch_size: int, n_prompts: int, config: BenchmarkConfig) -> int:
-    """Timed calls of a setting in each round: `min_calls` in all, and every prompt decoded at least once."""
-    total = max(config.min_calls, math.ceil(n_prompts / batch_size))
-    return math.ceil(total / config.rounds)
+        return lambda: torch.cuda.synchronize(device)
+    return lambda: None
 
 
 def plan_settings(
     systems: Sequence[str], points: Mapping[str, Any] | None, config: BenchmarkConfig
-) -> list[Setting]:
+) -> list[TimedSetting]:
     """Every setting to time, in row order: AR systems (reference first), `generate`, operating points, sweep.
 
     `points` is `operating_point.json`. A diffusion system without an operating point there (none
@@ -253,19 +242,19 @@ def plan_settings(
     for system in (s for s in config.sweep_systems if s in systems and s not in AR_SYSTEMS):
         sweep = (config.sweep_batch_sizes, config.sweep_constrained)
         lines += [(system, float(tau), None, False, *sweep) for tau in config.taus]
-    settings: dict[tuple, Setting] = {}
+    settings: dict[tuple, TimedSetting] = {}
     for system, tau, window, point, sizes, flags in lines:
         for constrained in flags:
             for b in sizes:
-                setting = Setting(system, tau, window, constrained, b, point)
+                setting = TimedSetting(system, tau, window, constrained, b, point)
                 settings.setdefault(setting.key, setting)  # the first (operating-point) line wins
     return list(settings.values())
 
 
-def plan_length_settings(settings: Sequence[Setting], config: BenchmarkConfig) -> list[Setting]:
+def plan_length_settings(settings: Sequence[TimedSetting], config: BenchmarkConfig) -> list[TimedSetting]:
     """The length sweep: each system's served line at batch 1 under the grammar (its operating point,
     or the `unserved_tau` line of a system without one; not `generate`), once per budget."""
-    lines: dict[str, Setting] = {}
+    lines: dict[str, TimedSetting] = {}
     for s in settings:
         if s.batch_size != 1 or not s.constrained or s.system == GENERATE:
             continue
@@ -277,17 +266,23 @@ def plan_length_settings(settings: Sequence[Setting], config: BenchmarkConfig) -
     return [replace(s, budget=int(b)) for s in lines.values() for b in config.length_budgets]
 
 
-Runner = Callable[[list[list[int]], list[TokenConstraint] | None], list[tuple[int, int]]]
+def _unzip(batch: list[Request], constrained: bool) -> tuple[list[list[int]], list[TokenConstraint] | None]:
+    """A batch's prompts, and their grammars when the setting decodes under them."""
+    prompts = [p for p, _ in batch]
+    rows = [g for _, g in batch] if constrained else None
+    if rows is not None and any(g is None for g in rows):
+        raise ValueError("constrained settings need one grammar per prompt (rerank.request_grammars)")
+    return prompts, rows  # type: ignore[return-value]
 
 
 def make_runner(
-    setting: Setting,
+    setting: TimedSetting,
     models: Mapping[str, PreTrainedModel],
     tokenizer: PreTrainedTokenizerBase,
     decoding: RerankConfig,
     reference: str,
-) -> tuple[Runner, torch.device]:
-    """The decode call `setting` times, returning (output tokens, NFE) per row, and its device."""
+) -> tuple[TimedSystem[Request], torch.device]:
+    """The decode call `setting` times (one full batch, (output tokens, NFE) per row) and its device."""
     # one call decodes one whole batch; the length sweep caps the output
     rerank = replace(
         decoding, batch_size=setting.batch_size, max_new_tokens=setting.budget or decoding.max_new_tokens
@@ -296,62 +291,40 @@ def make_runner(
         hf_model = models[reference]
         hf_cfg = decode_config_for(hf_model, tokenizer, None, rerank)
 
-        def run_generate(batch: list[list[int]], rows: list[TokenConstraint] | None) -> list[tuple[int, int]]:
-            return [(len(t), len(t)) for t in generate_tokens(hf_model, batch, hf_cfg, rows)]
+        def run_generate(batch: list[Request]) -> list[tuple[int, int]]:
+            prompts, rows = _unzip(batch, setting.constrained)
+            return [(len(t), len(t)) for t in generate_tokens(hf_model, prompts, hf_cfg, rows)]
 
-        return run_generate, hf_model.device
+        device = hf_model.device
+        return TimedSystem(run_generate, setting.batch_size, synchronizer(device)), device
     model = models[setting.system]
     cfg = replace(decode_config_for(model, tokenizer, setting.tau, rerank), window=setting.window)
 
-    def run_decode(batch: list[list[int]], rows: list[TokenConstraint] | None) -> list[tuple[int, int]]:
-        return [(len(o.tokens), o.nfe) for o in decode(model, batch, cfg, rows)]
+    def run_decode(batch: list[Request]) -> list[tuple[int, int]]:
+        prompts, rows = _unzip(batch, setting.constrained)
+        return [(len(o.tokens), o.nfe) for o in decode(model, prompts, cfg, rows)]
 
-    return run_decode, model.device
+    return TimedSystem(run_decode, setting.batch_size, synchronizer(model.device)), model.device
 
 
 def backend_of(
-    setting: Setting, models: Mapping[str, PreTrainedModel], decoding: RerankConfig, reference: str
+    setting: TimedSetting, models: Mapping[str, PreTrainedModel], decoding: RerankConfig, reference: str
 ) -> str:
     """The model forward `setting` runs (`decoding.backend` resolved); `generate` runs the modules."""
     model = models[reference if setting.system == GENERATE else setting.system]
     return "eager" if setting.system == GENERATE else resolved_backend(model, decoding.backend)
 
 
-def time_calls(
-    run: Runner,
-    batches: Sequence[list[list[int]]],
-    warmup: int,
-    device: torch.device,
-    clock: Callable[[], float] = time.perf_counter,
-    constraints: Sequence[list[TokenConstraint]] | None = None,
-) -> list[Call]:
-    """Run each batch in one call and time it, after `warmup` untimed calls on the first batch.
+def summarize(setting: TimedSetting, rounds: Rounds, device: str, backend: str) -> dict[str, Any]:
+    """One `benchmark.json` row: the harness statistic of tokens/s, latency percentiles over requests.
 
-    `constraints[i]`, when given, are the per-prompt constraints of `batches[i]`.
+    The speed-up stays None here; `add_speedups` fills it once every row of the run is known.
     """
-    rows = constraints if constraints is not None else [None] * len(batches)
-    for _ in range(warmup):
-        run(batches[0], rows[0])
-    _synchronize(device)
-    calls = []
-    for batch, batch_rows in zip(batches, rows, strict=True):
-        start = clock()
-        counts = run(batch, batch_rows)
-        _synchronize(device)
-        latency = clock() - start
-        calls.append(Call(latency, [t for t, _ in counts], [n for _, n in counts]))
-    return calls
-
-
-def summarize(setting: Setting, calls: Sequence[Call], device: str, backend: str) -> dict[str, Any]:
-    """One `benchmark.json` row: throughput over all calls, latency percentiles over requests.
-
-    `speedup_vs_ar` stays None here; `add_speedups` fills it once every row of the run is known.
-    """
+    calls = [c for r in rounds for c in r]
     tokens = [t for c in calls for t in c.output_tokens]
     nfe = [n for c in calls for n in c.nfe]
     latency_ms = np.array([c.latency_s for c in calls]) * 1000.0  # each request waits for its call
-    total_s = float(sum(c.latency_s for c in calls))
+    rates = round_rates(rounds)
     return {
         "system": setting.system,
         "tau": None if setting.tau is None else float(setting.tau),
@@ -360,58 +333,39 @@ def summarize(setting: Setting, calls: Sequence[Call], device: str, backend: str
         "batch_size": int(setting.batch_size),
         "constrained": setting.constrained,
         "backend": backend,
-        "output_tokens_per_s": sum(tokens) / total_s if total_s > 0 else float("nan"),
+        "output_tokens_per_s": tokens_per_s(rates),
         "nfe_per_sample": float(np.mean(nfe)),
         "tokens_per_forward": sum(tokens) / sum(nfe),
         "latency_p50_ms": float(np.percentile(latency_ms, 50)),
         "latency_p95_ms": float(np.percentile(latency_ms, 95)),
         "mean_output_tokens": float(np.mean(tokens)),
         "device": device,
-        "speedup_vs_ar": None,
+        **interval_fields("speedup_vs_ar", None),
+        "statistic": statistic(len(rounds)),
+        "tokens_per_s_by_round": rates,
     }
 
 
 def add_speedups(rows: Sequence[Mapping[str, Any]], reference: str = "ar_rl") -> list[dict[str, Any]]:
-    """`speedup_vs_ar` of every row: its output tokens/s over `reference`'s at the same batch size and
-    constrained flag (None when the reference has no such row)."""
+    """`speedup_vs_ar` of every row with its interval: paired by round with `reference`'s row at the
+    same batch size and constrained flag (`harness.speedup`; None when the reference has no such row)."""
     ref = {
-        (r["batch_size"], r["constrained"]): r["output_tokens_per_s"]
+        (r["batch_size"], r["constrained"]): r["tokens_per_s_by_round"]
         for r in rows
         if r["system"] == reference
     }
     out = []
     for row in rows:
         base = ref.get((row["batch_size"], row["constrained"]))
-        speedup = row["output_tokens_per_s"] / base if base else None
-        out.append({**row, "speedup_vs_ar": speedup})
+        ratio = None if base is None else speedup(row["tokens_per_s_by_round"], base)
+        out.append({**row, **interval_fields("speedup_vs_ar", ratio)})
     return out
 
 
-def _time_rounds(
-    settings: Sequence[Setting],
-    runners: Mapping[Setting, tuple[Runner, torch.device]],
-    prompts: Sequence[list[int]],
-    grammars: Sequence[TokenConstraint] | None,
-    config: BenchmarkConfig,
-    clock: Callable[[], float],
-    desc: str = "benchmark",
-) -> dict[Setting, list[Call]]:
-    """Every setting's calls, round after round; each round goes on cycling the prompts where the last
-    one stopped, so the rounds together cover the prompts evenly."""
-    calls: dict[Setting, list[Call]] = {s: [] for s in settings}
-    with tqdm(total=len(settings) * config.rounds, desc=desc, unit="setting") as bar:
-        for round_index in range(config.rounds):
-            for setting in settings:
-                b = setting.batch_size
-                n = calls_per_round(b, len(prompts), config)
-                start = round_index * n * b
-                batches = cycled_batches(prompts, b, n, start)
-                rows = cycled_batches(grammars, b, n, start) if setting.constrained and grammars else None
-                run, device = runners[setting]
-                warmup = config.warmup if round_index == 0 else 0
-                calls[setting] += time_calls(run, batches, warmup, device, clock, rows)
-                bar.update()
-    return calls
+def _requests(prompts: Sequence[Sequence[int]], grammars: Sequence[TokenConstraint] | None) -> list[Request]:
+    """What the harness cycles: each prompt with its grammar, so the two stay aligned in every batch."""
+    rows: Sequence[TokenConstraint | None] = grammars if grammars is not None else [None] * len(prompts)
+    return [(list(p), g) for p, g in zip(prompts, rows, strict=True)]
 
 
 def time_candidates(
@@ -424,47 +378,78 @@ def time_candidates(
     config: BenchmarkConfig,
     grammars: Sequence[TokenConstraint] | None = None,
     clock: Callable[[], float] = time.perf_counter,
-) -> dict[tuple[float, int | None], dict[int, float]]:
-    """Output tokens/s of each (tau, window) of `system` at every `config.batch_sizes`, one run.
+    reference_model: PreTrainedModel | None = None,
+) -> dict[tuple[float, int | None] | None, dict[int, list[float]]]:
+    """Per-round output tokens/s of each (tau, window) of `system` at every `config.batch_sizes`.
 
-    The operating point's speed side: the same rounds, warm-up and full batches as the benchmark, all
-    candidates interleaved, under `grammars` when given (as served). A pass over the validation split
-    is one cold measurement per setting; this is several, side by side.
+    The operating point's speed side: the benchmark's harness, all candidates and, with
+    `reference_model`, `config.reference` (AR) interleaved in the same rounds (key None), under
+    `grammars` when given (as served). `ranked_speed` turns a candidate's rounds into its figures.
     """
     constrained = grammars is not None
-    settings = [
-        Setting(system, float(tau), window, constrained, b, False)
+    settings = {
+        (float(tau), window, b): TimedSetting(system, float(tau), window, constrained, b, False)
         for tau, window in candidates
         for b in config.batch_sizes
-    ]
-    runners = {s: make_runner(s, {system: model}, tokenizer, decoding, config.reference) for s in settings}
-    calls = _time_rounds(settings, runners, [list(p) for p in prompts], grammars, config, clock, "timing")
-    out: dict[tuple[float, int | None], dict[int, float]] = {}
-    for s in settings:
-        row = summarize(s, calls[s], "", "")
-        out.setdefault((float(s.tau), s.window), {})[s.batch_size] = row["output_tokens_per_s"]
+    }
+    models = {system: model}
+    if reference_model is not None:
+        models[config.reference] = reference_model
+        for b in config.batch_sizes:
+            settings[(None, None, b)] = TimedSetting(config.reference, None, None, constrained, b, True)
+    systems = {
+        k: make_runner(s, models, tokenizer, decoding, config.reference)[0] for k, s in settings.items()
+    }
+    timed = time_rounds(
+        systems, _requests(prompts, grammars), config.rounds, config.warmup, config.min_calls, clock, "timing"
+    )
+    out: dict[tuple[float, int | None] | None, dict[int, list[float]]] = {}
+    for (tau, window, b), rounds in timed.items():
+        key = None if tau is None else (tau, window)
+        out.setdefault(key, {})[b] = round_rates(rounds)
     return out
 
 
-def ranked_speed(by_batch: Mapping[int, float]) -> dict[str, Any]:
-    """A timed candidate's speed fields: its tokens/s per batch size (`tokens_per_s_by_batch`) and the
-    figure the operating point ranks by (`tokens_per_s`), their geometric mean: each batch size
-    weighs the same, whatever its scale."""
-    mean_log = sum(math.log(max(v, 1e-12)) for v in by_batch.values()) / len(by_batch)
-    return {
-        "tokens_per_s_by_batch": {str(b): v for b, v in sorted(by_batch.items())},
-        "tokens_per_s": math.exp(mean_log),
+def ranked_speed(
+    by_batch: Mapping[int, Sequence[float]],
+    reference: Mapping[int, Sequence[float]] | None = None,
+    name: str = "ar_rl",
+) -> dict[str, Any]:
+    """A timed candidate's speed fields from its per-round tokens/s per batch size (`time_candidates`).
+
+    `tokens_per_s_by_batch`: the harness statistic per batch size; `tokens_per_s`, the figure the
+    operating point ranks by: per round the geometric mean over batch sizes (each weighs the same,
+    whatever its scale), its median over rounds. With `reference`'s rounds (the same rounds):
+    `speedup_vs_<name>` and its interval, from the per-round geometric mean of the ratios, and the
+    same per batch size (`speedup_vs_<name>_by_batch`).
+    """
+    sizes = sorted(by_batch)
+    per_round = geometric_mean_ratios([by_batch[b] for b in sizes])
+    fields: dict[str, Any] = {
+        "tokens_per_s_by_batch": {str(b): tokens_per_s(by_batch[b]) for b in sizes},
+        "tokens_per_s": tokens_per_s(per_round),
+        "tokens_per_s_by_round": per_round,
+        "statistic": statistic(len(per_round)),
     }
+    ratios: Ratio | None = None
+    if reference is not None:
+        paired = {b: paired_ratios(by_batch[b], reference[b]) for b in sizes}
+        ratios = ratio_interval(geometric_mean_ratios([paired[b] for b in sizes]))
+        fields[f"speedup_vs_{name}_by_batch"] = {
+            str(b): interval_fields("speedup", ratio_interval(paired[b])) for b in sizes
+        }
+    return fields | interval_fields(f"speedup_vs_{name}", ratios)
 
 
-def _samples(setting: Setting, calls: Sequence[Call]) -> list[dict[str, Any]]:
+def _samples(setting: TimedSetting, rounds: Rounds) -> list[dict[str, Any]]:
     """Per-request records of batch-1 calls (one request per call, so its latency is the call's)."""
     tau = float("nan") if setting.tau is None else float(setting.tau)
     window = float("nan") if setting.window is None else float(setting.window)
     return [
         {"system": setting.system, "tau": tau, "window": window}
         | {"output_tokens": c.output_tokens[0], "nfe": c.nfe[0], "latency_s": c.latency_s}
-        for c in calls
+        for r in rounds
+        for c in r
     ]
 
 
@@ -490,11 +475,22 @@ def run_benchmark(
         logger.warning("reference system %s is not benchmarked: no speed-ups, no generate", config.reference)
     timed = [*settings, *lengths]
     runners = {s: make_runner(s, models, tokenizer, decoding, config.reference) for s in timed}
-    calls = _time_rounds(timed, runners, [list(p) for p in prompts], grammars, config, clock)
+    rounds = time_rounds(
+        {s: system for s, (system, _) in runners.items()},
+        _requests(prompts, grammars),
+        config.rounds,
+        config.warmup,
+        config.min_calls,
+        clock,
+        "benchmark",
+    )
     rows = add_speedups(
         [
             summarize(
-                s, calls[s], describe_device(runners[s][1]), backend_of(s, models, decoding, config.reference)
+                s,
+                rounds[s],
+                describe_device(runners[s][1]),
+                backend_of(s, models, decoding, config.reference),
             )
             for s in settings
         ],
@@ -502,16 +498,17 @@ def run_benchmark(
     )
     served = True in config.constrained  # the length buckets are measured as served
     samples = [
-        x for s in settings if s.batch_size == 1 and s.constrained == served for x in _samples(s, calls[s])
+        x for s in settings if s.batch_size == 1 and s.constrained == served for x in _samples(s, rounds[s])
     ]
     frame = pd.DataFrame(samples, columns=["system", "tau", "window", "output_tokens", "nfe", "latency_s"])
     swept = {replace(s, budget=None) for s in lengths}
     natural = [s for s in settings if s in swept]
     length_rows = speedup_by_length(
-        [(s, calls[s]) for s in [*natural, *lengths]], decoding.max_new_tokens, config.reference
+        [(s, rounds[s]) for s in [*natural, *lengths]], decoding.max_new_tokens, config.reference
     )
     logger.info("decode benchmark (output tokens only)\n%s", format_table(rows))
-    return BenchmarkResult(rows, frame, length_rows, {s.key: len(c) for s, c in calls.items()})
+    calls = {s.key: sum(len(r) for r in rounds[s]) for s in timed}
+    return BenchmarkResult(rows, frame, length_rows, calls)
 
 
 def benchmark_requests(
@@ -540,17 +537,19 @@ def benchmark_requests(
 
 
 def speedup_by_length(
-    timed: Sequence[tuple[Setting, Sequence[Call]]], natural_budget: int, reference: str = "ar_rl"
+    timed: Sequence[tuple[TimedSetting, Rounds]], natural_budget: int, reference: str = "ar_rl"
 ) -> list[dict[str, Any]]:
     """`speedup_by_length.json` rows: per line and reasoning budget, output length and speed-up.
 
-    speed-up = output tokens/s of the line / that of `reference` under the same budget, same run (None
-    when the reference was not timed there). A budget of None is the decoding's own (`natural_budget`).
+    speed-up = the line's tokens/s over `reference`'s under the same budget, paired by round with its
+    interval (`speedup_low`, `speedup_high`; None when the reference was not timed there). A budget
+    of None is the decoding's own (`natural_budget`).
     """
     rows = []
-    for setting, calls in timed:
+    for setting, rounds in timed:
+        calls = [c for r in rounds for c in r]
         tokens = sum(sum(c.output_tokens) for c in calls)
-        seconds = sum(c.latency_s for c in calls)
+        n = sum(len(c.output_tokens) for c in calls)
         rows.append(
             {
                 "system": setting.system,
@@ -558,15 +557,18 @@ def speedup_by_length(
                 "window": setting.window,
                 "operating_point": setting.operating_point,
                 "budget": setting.budget or natural_budget,
-                "n": sum(len(c.output_tokens) for c in calls),
-                "mean_output_tokens": tokens / max(sum(len(c.output_tokens) for c in calls), 1),
+                "n": n,
+                "mean_output_tokens": tokens / max(n, 1),
                 "tokens_per_forward": tokens / max(sum(sum(c.nfe) for c in calls), 1),
-                "output_tokens_per_s": tokens / seconds if seconds > 0 else float("nan"),
+                "output_tokens_per_s": tokens_per_s(round_rates(rounds)),
+                "statistic": statistic(len(rounds)),
+                "tokens_per_s_by_round": round_rates(rounds),
             }
         )
-    ref = {r["budget"]: r["output_tokens_per_s"] for r in rows if r["system"] == reference}
+    ref = {r["budget"]: r["tokens_per_s_by_round"] for r in rows if r["system"] == reference}
     for r in rows:
-        r["speedup"] = r["output_tokens_per_s"] / ref[r["budget"]] if r["budget"] in ref else None
+        ratio = speedup(r["tokens_per_s_by_round"], ref[r["budget"]]) if r["budget"] in ref else None
+        r.update(interval_fields("speedup", ratio))
     return sorted(rows, key=lambda r: (r["system"] != reference, r["system"], r["budget"]))
 
 
@@ -576,18 +578,25 @@ def _setting_label(row: Mapping[str, Any]) -> str:
     return label if row.get("window") is None else f"{label} w{row['window']}"
 
 
+def _ratio_text(value: float | None, low: float | None, high: float | None) -> str:
+    """`1.52 [1.31, 1.60]`, or `-` when not timed against the reference."""
+    return "-" if value is None else f"{value:.2f} [{low:.2f}, {high:.2f}]"
+
+
 def format_table(rows: Sequence[Mapping[str, Any]]) -> str:
-    """A fixed-width text table of `benchmark.json` rows, for the log (* = operating point)."""
+    """A fixed-width text table of `benchmark.json` rows, for the log (* = operating point), headed by
+    the statistic its tokens/s and speed-ups are."""
     head = f"{'setting':18s} {'grammar':>7s} {'batch':>5s} {'tok/s':>9s} {'NFE/sample':>10s} {'tok/fwd':>7s} "
-    head += f"{'p50 ms':>9s} {'p95 ms':>9s} {'out tok':>7s} {'vs AR':>6s}  device"
-    lines = [head]
+    head += f"{'p50 ms':>9s} {'p95 ms':>9s} {'out tok':>7s} {'vs AR [interval]':>18s}  device"
+    names = sorted({str(r["statistic"]) for r in rows})
+    lines = [f"tokens/s and speed-ups: {'; '.join(names)}", head]
     for r in rows:
         label = ("* " if r["operating_point"] else "  ") + _setting_label(r)
-        speedup = "-" if r["speedup_vs_ar"] is None else f"{r['speedup_vs_ar']:.2f}"
+        ratio = _ratio_text(r["speedup_vs_ar"], r["speedup_vs_ar_low"], r["speedup_vs_ar_high"])
         lines.append(
             f"{label:18s} {'on' if r['constrained'] else 'off':>7s} {r['batch_size']:5d} "
             f"{r['output_tokens_per_s']:9.1f} {r['nfe_per_sample']:10.1f} {r['tokens_per_forward']:7.2f} "
             f"{r['latency_p50_ms']:9.1f} {r['latency_p95_ms']:9.1f} {r['mean_output_tokens']:7.1f} "
-            f"{speedup:>6s}  {r['device']}"
+            f"{ratio:>18s}  {r['device']}"
         )
     return "\n".join(lines)

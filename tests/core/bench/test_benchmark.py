@@ -11,25 +11,23 @@ import pytest
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
-from diffusion_gr2.core.decode.decoder import decode
-from diffusion_gr2.core.rank import benchmark as bench
-from diffusion_gr2.core.rank.benchmark import (
+from diffusion_gr2.core.bench import benchmark as bench
+from diffusion_gr2.core.bench.benchmark import (
     BENCHMARK_KEYS,
     GENERATE,
     BenchmarkConfig,
-    Call,
-    Setting,
+    TimedSetting,
     add_speedups,
-    calls_per_round,
-    cycled_batches,
     format_table,
-    full_batches,
     plan_length_settings,
     plan_settings,
+    ranked_speed,
     run_benchmark,
     speedup_by_length,
     time_candidates,
 )
+from diffusion_gr2.core.bench.harness import Call, calls_per_round, statistic
+from diffusion_gr2.core.decode.decoder import decode
 from diffusion_gr2.core.rank.operating_point import refused_operating_point
 from diffusion_gr2.core.rank.plots import speedup_by_batch_figure, speedup_by_length_figure
 from diffusion_gr2.core.rank.rerank import RerankConfig, decode_config_for, request_grammars
@@ -38,7 +36,8 @@ from tests.core.model.tiny import tiny_model_for
 from tests.core.rank.world import make_world
 
 MAX_NEW = 8
-# DESIGN §10: the keys of a `benchmark.json` row; the benchmark adds `window` and `operating_point`.
+# DESIGN §10: the keys of a `benchmark.json` row; the benchmark adds `window`, `operating_point`, the
+# speed-up's interval, the statistic's name and the per-round figures (issue 28).
 DESIGN_KEYS = {
     "system",
     "tau",
@@ -91,6 +90,36 @@ class TickingClock:
         return float(self._count())
 
 
+def spy_on_calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[object, int]]:
+    """Every decode call the harness makes, in order: (its setting's key, batch size)."""
+    calls: list[tuple[object, int]] = []
+    real = bench.time_rounds
+
+    def spy(systems, *args, **kwargs):
+        def logged(key, system):
+            def run(batch):
+                calls.append((key, len(batch)))
+                return system.run(batch)
+
+            return dataclasses.replace(system, run=run)
+
+        return real({k: logged(k, s) for k, s in systems.items()}, *args, **kwargs)
+
+    monkeypatch.setattr(bench, "time_rounds", spy)
+    return calls
+
+
+def turns(calls: list[tuple[object, int]]) -> list[tuple[int, int]]:
+    """(batch size, calls) of each run of consecutive calls of one setting."""
+    out: list[list] = []
+    for key, b in calls:
+        if out and out[-1][0] == key:
+            out[-1][2] += 1
+        else:
+            out.append([key, b, 1])
+    return [(b, n) for _, b, n in out]
+
+
 def point(tau: float, window: int | None) -> dict:
     """An operating_point.json entry as `choose_operating_point` writes it (the fields the benchmark reads)."""
     return {"tau": tau, "window": window, "budget": 0.01, "refused": None}
@@ -123,8 +152,9 @@ def _row(rows, system, batch_size=1, constrained=False, **match):
     return row
 
 
-def test_benchmark_keys_are_designs_plus_window_and_operating_point() -> None:
-    assert set(BENCHMARK_KEYS) == DESIGN_KEYS | {"window", "operating_point"}
+def test_benchmark_keys_are_designs_plus_window_operating_point_and_the_interval() -> None:
+    extra = {"speedup_vs_ar_low", "speedup_vs_ar_high", "statistic", "tokens_per_s_by_round"}
+    assert set(BENCHMARK_KEYS) == DESIGN_KEYS | {"window", "operating_point"} | extra
     assert len(BENCHMARK_KEYS) == len(set(BENCHMARK_KEYS))
 
 
@@ -192,8 +222,14 @@ def test_generate_row_decodes_ar_rls_weights_free_and_under_the_grammar(world) -
 
 
 def test_speedup_is_the_ratio_to_ar_rl_at_the_same_batch_size_and_grammar_flag() -> None:
-    def row(system, b, constrained, tps):
-        return {"system": system, "batch_size": b, "constrained": constrained, "output_tokens_per_s": tps}
+    def row(system, b, constrained, tps, drift=(1.0, 0.5, 0.8)):
+        rounds = [tps * d for d in drift]  # the machine's speed moves from round to round
+        return {
+            "system": system,
+            "batch_size": b,
+            "constrained": constrained,
+            "tokens_per_s_by_round": rounds,
+        }
 
     rows = [
         row("ar_rl", 1, True, 10.0),
@@ -201,22 +237,34 @@ def test_speedup_is_the_ratio_to_ar_rl_at_the_same_batch_size_and_grammar_flag()
         row("ar_rl", 4, True, 40.0),
         row("rl", 1, True, 30.0),
         row("rl", 1, False, 30.0),
-        row("rl", 4, True, 80.0),
+        row("rl", 4, True, 80.0, drift=(1.0, 0.6, 0.8)),  # round 2 disturbed less for rl than for ar_rl
         row(GENERATE, 16, False, 5.0),  # the reference was not timed at batch 16
     ]
-    got = [r["speedup_vs_ar"] for r in add_speedups(rows)]
-    assert got == [1.0, 1.0, 1.0, 3.0, 1.5, 2.0, None]
+    out = add_speedups(rows)
+    got = [r["speedup_vs_ar"] for r in out]
+    assert got == pytest.approx([1.0, 1.0, 1.0, 3.0, 1.5, 2.0, None])  # paired by round: drift cancels
+    bounds = [x for r in out[:5] for x in (r["speedup_vs_ar_low"], r["speedup_vs_ar_high"])]
+    assert bounds == pytest.approx([1.0] * 6 + [3.0, 3.0, 1.5, 1.5])  # the same ratio every round
+    assert (out[5]["speedup_vs_ar_low"], out[5]["speedup_vs_ar_high"]) == pytest.approx((2.0, 2.4))
+    assert out[6]["speedup_vs_ar_low"] is None and out[6]["speedup_vs_ar_high"] is None
 
 
 def test_speedups_in_a_run_come_from_the_same_runs_reference_rows(world) -> None:
     tokenizer, prompts, _ = world
     token = tokenizer.convert_tokens_to_ids("<a_3>")
     models = {"ar_rl": forced_model(tokenizer, token), "rl": forced_model(tokenizer, token, block_size=4)}
-    rows = _bench(models, tokenizer, prompts, points={"rl": point(0.9, None)}).rows
+    rows = _bench(models, tokenizer, prompts, points={"rl": point(0.9, None)}, rounds=3).rows
     for r in rows:
         ref = _row(rows, "ar_rl", r["batch_size"], r["constrained"])
-        assert r["speedup_vs_ar"] == pytest.approx(r["output_tokens_per_s"] / ref["output_tokens_per_s"])
+        paired = [
+            x / y for x, y in zip(r["tokens_per_s_by_round"], ref["tokens_per_s_by_round"], strict=True)
+        ]
+        assert r["speedup_vs_ar"] == pytest.approx(sorted(paired)[1])  # the median of the 3 rounds' ratios
+        assert (r["speedup_vs_ar_low"], r["speedup_vs_ar_high"]) == pytest.approx((min(paired), max(paired)))
+        assert r["output_tokens_per_s"] == pytest.approx(sorted(r["tokens_per_s_by_round"])[1])
+        assert r["statistic"] == statistic(3) and len(r["tokens_per_s_by_round"]) == 3
     assert _row(rows, "ar_rl", 4)["speedup_vs_ar"] == 1.0
+    assert statistic(3) in format_table(rows) and "1.00 [1.00, 1.00]" in format_table(rows)
 
 
 def test_every_setting_gets_min_calls_over_the_rounds_counted_by_the_clock(
@@ -225,24 +273,18 @@ def test_every_setting_gets_min_calls_over_the_rounds_counted_by_the_clock(
     tokenizer, prompts, _ = world
     token = tokenizer.convert_tokens_to_ids("<a_3>")
     models = {"ar_rl": forced_model(tokenizer, token), "rl": forced_model(tokenizer, token, block_size=4)}
-    timed: list[tuple[int, int]] = []  # (batch size, calls) of each timed round of a setting, in order
-    real = bench.time_calls
-
-    def spy(run, batches, *args, **kwargs):
-        timed.append((len(batches[0]), len(batches)))
-        return real(run, batches, *args, **kwargs)
-
-    monkeypatch.setattr(bench, "time_calls", spy)
+    timed = spy_on_calls(monkeypatch)
     clock = TickingClock()
     config = _config(prompts, min_calls=5, rounds=2, sweep_systems=("rl",))
     decoding = RerankConfig(max_new_tokens=MAX_NEW)
     result = run_benchmark(models, prompts, tokenizer, decoding, config, clock, None, {"rl": point(0.6, 2)})
     # 3 prompts: ceil(max(5, 3) / 2) = 3 calls per round at batch 1, ceil(max(5, 1) / 2) = 3 at batch 4
-    assert calls_per_round(1, 3, config) == calls_per_round(4, 3, config) == 3
+    assert calls_per_round(1, 3, 2, 5) == calls_per_round(4, 3, 2, 5) == 3
     assert set(result.calls.values()) == {6} and len(result.calls) == len(result.rows)
     assert clock.readings == 2 * sum(result.calls.values())  # every timed call reads the clock twice
     per_round = [(1, 3), (4, 3)] * 3 + [(1, 3)]  # ar_rl, generate, rl at its point; rl's sweep at batch 1
-    assert timed == per_round * 2  # round after round, every setting in each round
+    warmups = [(b, 1) for b, _ in per_round]  # one untimed call each, before the first round
+    assert turns(timed) == warmups + per_round * 2  # round after round, every setting in each round
     assert all(r["latency_p50_ms"] == 1000.0 for r in result.rows)
     rows_of_rl = [
         (r["tau"], r["window"], r["operating_point"], r["batch_size"])
@@ -259,14 +301,7 @@ def test_operating_point_candidates_are_timed_interleaved_at_every_batch_size(
     tokenizer, prompts, grammars = world
     token = tokenizer.convert_tokens_to_ids("<a_3>")
     model = forced_model(tokenizer, token, block_size=4)
-    timed: list[tuple[int, int]] = []
-    real = bench.time_calls
-
-    def spy(run, batches, *args, **kwargs):
-        timed.append((len(batches[0]), len(batches)))
-        return real(run, batches, *args, **kwargs)
-
-    monkeypatch.setattr(bench, "time_calls", spy)
+    timed = spy_on_calls(monkeypatch)
     config = _config(prompts, batch_sizes=(1, 2), rounds=2, min_calls=1)
     clock = TickingClock()
     out = time_candidates(
@@ -279,10 +314,12 @@ def test_operating_point_candidates_are_timed_interleaved_at_every_batch_size(
         config,
         grammars,
         clock,
+        reference_model=forced_model(tokenizer, token),
     )
-    assert set(out) == {(0.9, None), (0.6, 2)} and all(set(v) == {1, 2} for v in out.values())
-    # 3 prompts: 2 calls per round at batch 1 (ceil(3 / 2)), 1 at batch 2; both candidates each round
-    assert timed == [(1, 2), (2, 1), (1, 2), (2, 1)] * 2
+    assert set(out) == {(0.9, None), (0.6, 2), None} and all(set(v) == {1, 2} for v in out.values())
+    # 3 prompts: 2 calls per round at batch 1 (ceil(3 / 2)), 1 at batch 2; both candidates and the
+    # reference (ar_rl, key None) each round, after one warm-up call each
+    assert turns(timed) == [(1, 1), (2, 1)] * 3 + [(1, 2), (2, 1)] * 3 * 2
     # every call lasts 1 s on the ticking clock: tokens/s = output tokens per call
     expected = decode(
         model,
@@ -290,8 +327,16 @@ def test_operating_point_candidates_are_timed_interleaved_at_every_batch_size(
         decode_config_for(model, tokenizer, 0.9, RerankConfig(max_new_tokens=MAX_NEW)),
         grammars[:1],
     )
-    assert out[(0.9, None)][1] == pytest.approx(len(expected[0].tokens))
-    assert out[(0.9, None)][2] > out[(0.9, None)][1]  # two rows a call: twice the tokens a second
+    assert out[(0.9, None)][1] == pytest.approx([len(expected[0].tokens)] * 2)  # per round
+    assert out[(0.9, None)][2][0] > out[(0.9, None)][1][0]  # two rows a call: twice the tokens a second
+    speed = ranked_speed(out[(0.9, None)], out[None])
+    assert speed["tokens_per_s"] == pytest.approx((out[(0.9, None)][1][0] * out[(0.9, None)][2][0]) ** 0.5)
+    cand, ref = out[(0.9, None)], out[None]
+    per_round = [((cand[1][r] / ref[1][r]) * (cand[2][r] / ref[2][r])) ** 0.5 for r in range(2)]
+    assert speed["speedup_vs_ar_rl"] == pytest.approx(sum(per_round) / 2)  # paired, geometric mean, median
+    assert speed["statistic"] == statistic(2)
+    assert speed["speedup_vs_ar_rl_low"] <= speed["speedup_vs_ar_rl"] <= speed["speedup_vs_ar_rl_high"]
+    assert set(speed["speedup_vs_ar_rl_by_batch"]) == {"1", "2"}
 
 
 def test_a_system_without_an_operating_point_is_timed_unserved_with_a_warning(world, caplog) -> None:
@@ -338,8 +383,8 @@ def test_plan_times_a_sweep_point_that_is_the_operating_point_once() -> None:
 
 def test_speedup_by_length_compares_each_budget_with_the_reference_under_it() -> None:
     def timed(system, tau, budget, tokens, nfe, seconds):
-        setting = Setting(system, tau, None, True, 1, True, budget)
-        return setting, [Call(seconds, [tokens], [nfe])]
+        setting = TimedSetting(system, tau, None, True, 1, True, budget)
+        return setting, [[Call(seconds, [tokens], [nfe])]]  # one round of one call
 
     rows = speedup_by_length(
         [
@@ -356,7 +401,9 @@ def test_speedup_by_length_compares_each_budget_with_the_reference_under_it() ->
     assert got[("rl", 192)]["speedup"] == pytest.approx(4.0)  # 80 vs 20 tokens/s
     assert got[("rl", 64)]["speedup"] == pytest.approx(2.0)  # 40 vs 20 tokens/s under the same budget
     assert got[("rl", 64)]["tokens_per_forward"] == 3.0 and got[("rl", 64)]["mean_output_tokens"] == 60
-    assert got[("rl", 80)]["speedup"] is None
+    assert got[("rl", 80)]["speedup"] is None and got[("rl", 80)]["speedup_low"] is None
+    assert got[("rl", 64)]["speedup_low"] == got[("rl", 64)]["speedup_high"] == pytest.approx(2.0)  # 1 round
+    assert got[("rl", 64)]["statistic"] == statistic(1)
     assert [r["system"] for r in rows][:2] == ["ar_rl", "ar_rl"]  # the reference first
 
 
@@ -432,13 +479,3 @@ def test_speedup_by_batch_plot_and_length_samples_of_a_run(world) -> None:
         "rl τ=0.9 w2 (grammar) not served",
         "rl τ=0.9 w2 (free) not served",
     ]  # its widest line (two batch sizes), not the one-point sweep row
-
-
-def test_batches_are_full_and_rounds_continue_the_cycle() -> None:
-    prompts = [[1], [2], [3]]
-    assert full_batches(prompts, 1) == [[[1]], [[2]], [[3]]]
-    assert full_batches(prompts, 2) == [[[1], [2]], [[3], [1]]]
-    assert full_batches(prompts, 16) == [[[1], [2], [3]] * 5 + [[1]]]
-    assert cycled_batches(prompts, 2, 2, start=4) == [[[2], [3]], [[1], [2]]]
-    with pytest.raises(ValueError):
-        full_batches([], 4)
