@@ -24,13 +24,15 @@ clearly worse is refused (docs/operations.md).
 from __future__ import annotations
 
 import logging
+import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import pandas as pd
 
+from diffusion_gr2.core.bench.harness import TimedRate, TimedSystem, round_rates, time_rounds
 from diffusion_gr2.core.rank.metrics import paired_bootstrap
 from diffusion_gr2.core.tracking.serving import Ranker, RequestError, parse_request
 
@@ -133,19 +135,34 @@ def prerank_score(requests: pd.DataFrame) -> dict[str, Any]:
     return {"n": float(len(hits)), "hits": hits, "recall@1": sum(hits) / max(len(hits), 1)}
 
 
-def speeds(rankers: dict[str, Ranker], requests: pd.DataFrame, config: GateConfig) -> dict[str, float]:
-    """Output tokens per second of each ranker on the same first `speed_requests`, interleaved, best round."""
+def speeds(
+    rankers: dict[str, Ranker],
+    requests: pd.DataFrame,
+    config: GateConfig,
+    clock: Callable[[], float] = time.perf_counter,
+) -> dict[str, TimedRate]:
+    """Output tokens per second of each ranker on the same first `speed_requests`, by the one timing
+    harness (`core/bench/harness.py`): a warm-up call each, then `speed_rounds` interleaved rounds in
+    which every ranker decodes all of them, `speed_batch_size` rows a call.
+
+    Each value is a `TimedRate`: a float, the median over rounds, carrying `tokens_per_s_by_round` and
+    `statistic`; `harness.speedup(rates["challenger"], rates["teacher"])` is the speed-up paired by
+    round with its interval.
+    """
     records = requests.to_dict("records")[: config.speed_requests]
-    best = dict.fromkeys(rankers, 0.0)
-    for ranker in rankers.values():  # warm-up: first-call allocations are not the model's speed
-        _answers(ranker, records[:1], config.speed_batch_size)
-    for _ in range(config.speed_rounds):
-        for name, ranker in rankers.items():
-            start = time.perf_counter()
-            answers = _answers(ranker, records, config.speed_batch_size)
-            rate = sum(a["output_tokens"] for a in answers) / max(time.perf_counter() - start, 1e-9)
-            best[name] = max(best[name], rate)
-    return best
+    b = config.speed_batch_size
+
+    def timed(ranker: Ranker) -> TimedSystem[dict[str, Any]]:
+        def run(batch: list[dict[str, Any]]) -> list[tuple[int, int]]:
+            return [(int(a["output_tokens"]), int(a.get("nfe", 0))) for a in _answers(ranker, batch, b)]
+
+        return TimedSystem(run, b)
+
+    calls = config.speed_rounds * math.ceil(len(records) / b)  # every request once a round
+    rounds = time_rounds(
+        {n: timed(r) for n, r in rankers.items()}, records, config.speed_rounds, 1, calls, clock
+    )
+    return {name: TimedRate(round_rates(r)) for name, r in rounds.items()}
 
 
 @dataclass(frozen=True)
