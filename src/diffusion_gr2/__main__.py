@@ -106,8 +106,9 @@ def retrain(env: str | None, force: bool, client) -> int:  # noqa: ANN001 (an Ml
 def ops(argv: list[str]) -> int:
     """Run one operations command; the exit status.
 
-    A model, version, alias or run the store does not hold is one line on stderr and status 1: a
-    traceback of MLflow's REST or SQL call would bury which name was wrong.
+    A model, version, alias or run the store does not hold, and a lineage target of neither form it
+    takes, is one line on stderr and status 1: a traceback of MLflow's REST or SQL call (or of the
+    URI's parsing) would bury which name was wrong.
     """
     import warnings
 
@@ -116,16 +117,22 @@ def ops(argv: list[str]) -> int:
     # what a command says
     with warnings.catch_warnings(record=True):
         from diffusion_gr2.core.tracking import registry
-        from diffusion_gr2.core.tracking.lineage_report import lineage_lines
+        from diffusion_gr2.core.tracking.lineage_report import (
+            MalformedTargetError,
+            check_target,
+            lineage_lines,
+        )
 
     args = _parser().parse_args(argv)
-    client = _mlflow_client()
     if args.command == "retrain":
-        return retrain(args.env, args.force, client)
+        return retrain(args.env, args.force, _mlflow_client())
     try:
         if args.command == "lineage":
-            sys.stdout.write("\n".join(lineage_lines(client, args.target, Path.cwd())) + "\n")
+            check_target(args.target)  # before the store is opened: a mistyped target creates no mlflow.db
+            lines = lineage_lines(_mlflow_client(), args.target, Path.cwd())
+            sys.stdout.write("\n".join(lines) + "\n")
             return 0
+        client = _mlflow_client()
         if args.action == "show":
             for name in [args.name] if args.name else [registry.DIFFUSION_MODEL, registry.TEACHER_MODEL]:
                 try:
@@ -145,7 +152,7 @@ def ops(argv: list[str]) -> int:
             ref = registry.promote(args.name, args.version, args.reason, client)
         else:
             ref = registry.rollback(args.name, args.to, args.reason, client)
-    except registry.NotFoundError as err:
+    except (registry.NotFoundError, MalformedTargetError) as err:
         sys.stderr.write(f"{err}\n")
         return 1
     sys.stdout.write(f"{ref.name}@{registry.CHAMPION} -> version {ref.version}\n")

@@ -5,11 +5,12 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import mlflow
 import pytest
 
-from diffusion_gr2.__main__ import ops
+from diffusion_gr2.__main__ import main, ops
 from diffusion_gr2.core.tracking import registry
 
 NAME = registry.DIFFUSION_MODEL
@@ -55,6 +56,41 @@ def test_a_wrong_name_is_one_line_on_stderr_and_status_1(
     out, err = capsys.readouterr()
     assert err == line + "\n" and out == ""
     assert registry.alias_version(NAME, registry.CHAMPION).version == "1"  # nothing moved
+
+
+URI_FORMS = "expected models:/NAME@ALIAS or models:/NAME/VERSION (VERSION a number)"
+
+
+@pytest.mark.parametrize(
+    ("target", "line"),
+    [
+        ("models:/nope", f"malformed model URI 'models:/nope': {URI_FORMS}"),
+        ("models:/", f"malformed model URI 'models:/': {URI_FORMS}"),
+        (f"models:/{NAME}@", f"malformed model URI 'models:/{NAME}@': {URI_FORMS}"),
+        (f"models:/{NAME}/latest", f"malformed model URI 'models:/{NAME}/latest': {URI_FORMS}"),
+        ("models:/a/b/1", f"malformed model URI 'models:/a/b/1': {URI_FORMS}"),
+        (
+            "runs:/abc/model",
+            f"malformed lineage target 'runs:/abc/model': {URI_FORMS}, or an MLflow run id "
+            "(letters, digits, _ and -)",
+        ),
+    ],
+)
+def test_a_malformed_lineage_target_is_one_line_on_stderr_and_status_1(
+    target: str,
+    line: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Refused before the store is opened (MLflow, or unpacking the URI, would raise a traceback)."""
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    with pytest.raises(SystemExit) as done:
+        main(["lineage", target])
+    assert done.value.code == 1
+    out, err = capsys.readouterr()
+    assert err == line + "\n" and out == ""
+    assert not (tmp_path / "mlflow.db").exists()  # a typo creates no store
 
 
 def test_the_command_line_exits_1_without_a_traceback(versions: str) -> None:

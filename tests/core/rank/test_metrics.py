@@ -116,11 +116,11 @@ def test_paired_bootstrap() -> None:
     a = np.array([1.0, 0.0, 1.0, 1.0] * 10)
     b = np.array([0.0, 0.0, 1.0, 0.0] * 10)
     res = M.paired_bootstrap(a, b, n_boot=500, seed=0)
-    assert res.mean_diff == pytest.approx(0.5) and 0 < res.low <= 0.5 <= res.high and res.p_value == 0.0
+    assert res.mean_diff == pytest.approx(0.5) and 0 < res.low <= 0.5 <= res.high and res.sign_share == 0.0
     same = M.paired_bootstrap(a, a)
-    assert (same.mean_diff, same.low, same.high, same.p_value) == (0.0, 0.0, 0.0, 1.0)
+    assert (same.mean_diff, same.low, same.high, same.sign_share) == (0.0, 0.0, 0.0, 1.0)
     noisy = M.paired_bootstrap([1.0, 0.0, 1.0, 0.0], [0.0, 1.0, 0.0, 1.0], n_boot=500)
-    assert noisy.p_value > 0.5 and noisy.low < 0 < noisy.high
+    assert noisy.sign_share > 0.5 and noisy.low < 0 < noisy.high
     with pytest.raises(ValueError):
         M.paired_bootstrap([1.0], [1.0, 0.0])
 

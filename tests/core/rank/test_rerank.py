@@ -223,12 +223,12 @@ def test_compare_systems_pairs_users_against_each_baseline() -> None:
     rankings = _rankings()
     rows = compare_systems(rankings, EvaluationConfig(n_boot=200))
     keys = {"system", "tau", "window", "split", "baseline", "baseline_tau", "metric", "n", "mean_diff"}
-    keys |= {"low", "high", "p_value"}
+    keys |= {"low", "high", "sign_share"}
     assert all(set(r) == keys for r in rows)
     assert all(r["system"] != r["baseline"] for r in rows)
     assert len(rows) == 2 * 3 * 2  # 2 baselines x 3 other (system, tau) x 2 metrics
     same = [r for r in rows if r["system"] == "cft" and r["tau"] == 0.9 and r["baseline"] == "prerank"]
-    assert all(r["mean_diff"] == 0.0 and r["p_value"] == 1.0 for r in same)
+    assert all(r["mean_diff"] == 0.0 and r["sign_share"] == 1.0 for r in same)
     ar_vs_floor = next(r for r in rows if r["system"] == "ar_rl" and r["baseline"] == "prerank")
     assert ar_vs_floor["metric"] == "recall@1" and ar_vs_floor["mean_diff"] == pytest.approx(5 / 6 - 1 / 6)
 
@@ -246,6 +246,7 @@ def test_eval_metrics_names_and_markdown_table() -> None:
         and "| test | cft | 0.9 | — | 6 |" in table
         and "| test | ar_rl | — | — | 6 |" in table
     )
+    assert "intervals over users" in table  # `stage_metrics` resamples users, not requests
 
 
 def test_select_requests_filters_sorts_and_caps() -> None:

@@ -39,9 +39,12 @@ Constraints (`decode(..., constraints=...)`, one `TokenConstraint` per prompt, e
 grammar of `grammar.py`): a token is only committed when its row's constraint allows it. The model's
 own probability decides how many tokens a step commits: a disallowed choice (the arg-max, or the
 sample) is replaced by the best allowed token (or a sample among them) where a commit is due (the
-leftmost masked position, the step cap, AR), and ends the step's run anywhere else. Each such
-correction is counted in `DecodeOutput.forced`. Needs the `prefix` rule: only there is every
-committed token's left context committed, which is what the constraint reads.
+leftmost masked position, the step cap, AR), and ends the step's run anywhere else.
+`DecodeOutput.forced` counts every such override: a replaced token, and a run ended at a disallowed
+choice (nothing is committed there; when the position comes due it may be counted again), so
+without jump-forward `forced == 0` means token for token the unconstrained decode
+(`test_accepts_is_what_constrained_decoding_leaves_untouched`). Needs the `prefix` rule: only there
+is every committed token's left context committed, which is what the constraint reads.
 
 Jump-forward (`DecodeConfig.jump_forward`, the default; SGLang's name for it): where the constraint
 leaves exactly one token (`TokenConstraint.only`: the rest of a SID once its first tokens pin it,
@@ -53,11 +56,11 @@ the last candidate, the end token), that token is written without the model's sa
   would have written another one: tokens, log-probs and `forced` are exactly those of one forward per
   token (`test_ar_jump_forward_is_exact`); only the forwards are fewer.
 * Diffusion: a forced position joins the step's run as certain, so a run goes on through the rest of
-  a SID it has begun. A correction is counted where the model's own choice there was due or above
-  tau and differs, as the walk without jump-forward would count it. The run differs from the one
-  without it, so here `forced == 0` means "every committed token was the model's own arg-max at its
-  commit", not "token for token the unconstrained decode"; without jump-forward (and always for AR)
-  it means the latter.
+  a SID it has begun. A correction is counted at every jumped position where the model's own choice
+  differs, whatever its confidence there (below tau, or not due, included). The run differs from the
+  one without it, so here `forced == 0` means "every committed token was the model's own choice at
+  its commit and no run was ended", not "token for token the unconstrained decode"; without
+  jump-forward (and always for AR) it means the latter.
 
 Batching: prompts are left-padded (with matching position ids and masks) and all rows of a batch
 decode the same block together. A row that finished its block waits for the others and is not
@@ -149,7 +152,10 @@ class DecodeOutput:
     # commit steps (-1 = never). Tokens committed there were visible to later commits; replay needs them.
     tail_tokens: list[int] = field(default_factory=list)
     tail_steps: list[int] = field(default_factory=list)
-    forced: int = 0  # commits a constraint corrected (0 = exactly the unconstrained greedy output)
+    # Overrides by the constraint: tokens replaced or jumped where the model chose another, and runs
+    # ended at a disallowed choice. 0 = the unconstrained output token for token, except diffusion
+    # with jump-forward (there: only the model's own choices committed; module doc)
+    forced: int = 0
 
 
 def _transposition(n: int, i: int, j: int, device: torch.device) -> Tensor:
@@ -348,9 +354,10 @@ def _constrain_commits(
     * any other position joins while the rule chose it. A disallowed token is replaced by the best
       allowed one where a commit is due (the run's first position, or every position when
       `must_commit`) and cuts the run elsewhere.
-    A correction is counted wherever a committed token is not the model's own choice (a jumped
-    position included), so a row with none wrote only its own choices. Log-probs become those of the
-    constrained (renormalised) distribution.
+    A correction is counted wherever the constraint overrides the model's choice: a replaced token,
+    a jumped token the model would not have chosen (whatever its confidence), and a disallowed choice
+    that ends the run (nothing is committed there). A row with none wrote only its own choices and
+    had no run ended. Log-probs become those of the constrained (renormalised) distribution.
 
     The automaton walk is plain Python per committed token; the tensor work (renormalised log-probs)
     is one batched pass over every constrained commit of the step, however long the runs are.
@@ -455,7 +462,7 @@ class _Block:
     logps: list[list[float]]
     masked: list[list[bool]]
     nfe: list[int]  # forwards each row took part in
-    forced: list[int]  # commits a constraint corrected
+    forced: list[int]  # the constraint's overrides so far (`DecodeOutput.forced`)
 
     @classmethod
     def empty(cls, b: int, k: int, mask_id: int) -> _Block:

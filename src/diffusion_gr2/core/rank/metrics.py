@@ -224,12 +224,16 @@ def system_metrics(
 
 
 class PairedBootstrap(NamedTuple):
-    """Mean of (a - b) over users, its bootstrap interval, and a two-sided bootstrap sign share."""
+    """Mean of (a - b) over the paired requests, its bootstrap interval, and the two-sided sign share.
+
+    ``sign_share`` = 2 * min(share of resampled means <= 0, share >= 0), capped at 1: a bootstrap
+    summary of how firmly the resamples agree on the sign of ``mean_diff``, not a test's p-value.
+    """
 
     mean_diff: float
     low: float
     high: float
-    p_value: float  # 2 * min(share of resamples with diff <= 0, share with diff >= 0), capped at 1
+    sign_share: float  # 0 = every resample on one side of 0; 1 = half or more on each side (or all at 0)
 
 
 def paired_bootstrap(
@@ -248,13 +252,13 @@ def paired_bootstrap(
     """
     a, b = np.asarray(a_values, dtype=np.float64), np.asarray(b_values, dtype=np.float64)
     if a.shape != b.shape or a.ndim != 1 or a.size == 0:
-        raise ValueError(f"need two non-empty per-user arrays of equal length, got {a.shape} and {b.shape}")
+        raise ValueError(f"need two non-empty per-request arrays of one length, got {a.shape} and {b.shape}")
     diff = a - b
     boot = _bootstrap_means(diff[None, :], n_boot, seed, groups)[0]  # [n_boot]
     tail = (1.0 - level) / 2.0 * 100.0
     low, high = np.percentile(boot, [tail, 100.0 - tail])
-    p = min(1.0, 2.0 * min(float(np.mean(boot <= 0)), float(np.mean(boot >= 0))))
-    return PairedBootstrap(float(diff.mean()), float(low), float(high), p)
+    share = min(1.0, 2.0 * min(float(np.mean(boot <= 0)), float(np.mean(boot >= 0))))
+    return PairedBootstrap(float(diff.mean()), float(low), float(high), share)
 
 
 def target_ranks(scores: torch.Tensor | np.ndarray, targets: Sequence[int] | np.ndarray) -> np.ndarray:

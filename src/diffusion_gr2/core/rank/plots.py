@@ -93,15 +93,16 @@ def metric_figure(stage_rows: Sequence[Mapping[str, Any]], metric: str = "recall
 
 
 def valid_rate_figure(stage_rows: Sequence[Mapping[str, Any]]) -> Figure:
-    """Per (system, tau): served answers that are valid rankings (light bar) and, in front, those the
-    model wrote with no grammar correction (`unforced_rate`; the same bar when decoding is free)."""
+    """Per (system, tau): served answers that are valid rankings (light bar) and, in front, the model's
+    own valid rate: its answers decoded without the grammar (`unforced_rate`; the same bar when
+    decoding is free)."""
     fig = Figure(figsize=(max(6.0, 0.7 * len(stage_rows) + 2.0), 4.0), layout="constrained")
     ax = fig.add_subplot()
     xs = range(len(stage_rows))
     colors = [_color(str(r["system"])) for r in stage_rows]
     ax.bar(xs, [r["valid_rate"] for r in stage_rows], color=colors, alpha=0.35, label="valid (served)")
     unforced = [r.get("unforced_rate", r["valid_rate"]) for r in stage_rows]
-    ax.bar(xs, unforced, width=0.5, color=colors, label="valid without grammar correction")
+    ax.bar(xs, unforced, width=0.5, color=colors, label="own answer valid (no grammar)")
     ax.set_xticks(xs, [_label(r) for r in stage_rows], fontsize=8)
     ax.set_ylim(0.0, 1.05)
     ax.set_ylabel("share of answers")
@@ -241,7 +242,7 @@ def own_valid_rate_figure(stage_rows: Sequence[Mapping[str, Any]]) -> Figure:
     )
     ax.set_xticks(range(len(stages)), stages)
     ax.set_ylim(-0.02, 1.05)
-    ax.set_ylabel("own valid rate (no grammar correction), 95% CI")
+    ax.set_ylabel("own valid rate (decoded without the grammar), 95% CI")
     ax.set_title("The model's own valid-output rate per stage (test)")
     ax.grid(axis="y", alpha=0.3)
     return fig

@@ -324,7 +324,8 @@ def _stage_section(inputs: ReportInputs) -> str:
         "tau — = autoregressive; window — = the whole block fed at every step; *served* = the "
         "operating point chosen on validation (`operating_point.json`). *valid (served)*: answers that "
         "are valid rankings as served (under the answer grammar when decoding is constrained); *own "
-        "valid*: answers the grammar never had to correct, the model's own valid-output rate. "
+        "valid*: requests whose answer decoded without the grammar (a second, free pass) is valid, "
+        "the model's own valid-output rate. "
         "tokens/forward: output tokens over forward passes (`rankings.parquet`).\n\n" + _table(head, rows)
     )
     return text + "\n\n" + _operating_point_section(inputs)
@@ -424,8 +425,8 @@ def _comparison_section(inputs: ReportInputs) -> str:
             )
     return (
         f"## Paired differences ({inputs.split}, `comparisons.json`)\n\n"
-        "System minus baseline on the same users, mean and 95% paired-bootstrap interval. An interval "
-        "that contains 0 does not resolve the difference.\n\n"
+        "System minus baseline on the same requests, mean and 95% paired-bootstrap interval (resampling "
+        "whole users). An interval that contains 0 does not resolve the difference.\n\n"
         + _table(["system", "tau", "window", *(f"Δ {m} vs {b}" for b, m in pairs)], rows)
     )
 
@@ -544,7 +545,8 @@ def _plots_section(inputs: ReportInputs, figures: Mapping[str, Figure]) -> str:
         "system and tau) and against measured tokens/s (the benchmark's settings). Colour = system, "
         f"marker = tau (hollow = a decoding window), large star = `{inputs.reference}`, dashed line = "
         "the pre-rank's R@1.",
-        "own_valid_rate": "The model's own valid-output rate per stage (no grammar correction), 95% CI.",
+        "own_valid_rate": "The model's own valid-output rate per stage (answers decoded without the "
+        "grammar), 95% CI.",
         "training_curves": "Training curves of every stage from the MLflow metric history: loss, and "
         "the mean reward (black) where the stage is RL."
         + ("" if inputs.training_curves else " No history was found in the MLflow store."),

@@ -358,7 +358,7 @@ def rerank(
     rows.attrs["decode_s"] = elapsed
     unforced = _unforced(rows)
     logger.info(
-        "%s: %d requests, valid %.1f%% (%.1f%% without a grammar correction), %.1f output tokens "
+        "%s: %d requests, valid %.1f%% (own answers %.1f%%), %.1f output tokens "
         "and %.1f forwards per request",
         label,
         len(rows),
@@ -540,8 +540,9 @@ def compare_systems(rankings: pd.DataFrame, config: EvaluationConfig) -> list[di
     """Paired bootstrap of every variant against each baseline present on the same split and requests.
 
     Rows: `split, system, tau, window, baseline, baseline_tau, metric, n, mean_diff, low, high,
-    p_value`, where `mean_diff` = system - baseline. Pairing by request (`request_key`: split, user,
-    point) cancels the per-request difficulty both share.
+    sign_share`, where `mean_diff` = system - baseline and `sign_share` is the bootstrap's two-sided
+    share against its sign (`PairedBootstrap`). Pairing by request (`request_key`: split, user, point)
+    cancels the per-request difficulty both share; the resamples draw whole users.
     """
     groups = _groups(rankings)
     rows: list[dict[str, Any]] = []
@@ -593,10 +594,12 @@ def metrics_markdown(stage_rows: Sequence[Mapping[str, Any]]) -> str:
         cells += [_cell(row, m) for m in METRICS]
         lines.append("| " + " | ".join(cells) + " |")
     note = (
-        "\nMetrics with 95% bootstrap intervals over requests; tau — = autoregressive (no threshold); "
-        "window — = the whole block fed at every step. Choices are made on `valid`, `test` is reported.\n"
+        "\nMetrics with 95% bootstrap intervals over users (each resample draws whole users with all "
+        "their requests); tau — = autoregressive (no threshold); window — = the whole block fed at "
+        "every step. Choices are made on `valid`, `test` is reported.\n"
         "valid_rate: served answers that are valid rankings (the rest fall back to the pre-rank); "
-        "unforced_rate: valid answers the decoding grammar never corrected, i.e. the model's own "
-        "valid-output rate (equal to valid_rate when decoding is unconstrained).\n"
+        "unforced_rate: the model's own valid rate, the share of requests whose answer decoded "
+        "without the grammar (a second, free pass) is valid and one the grammar accepts "
+        "(equal to valid_rate when decoding is unconstrained).\n"
     )
     return "# Stage metrics\n\n" + "\n".join(lines) + "\n" + note

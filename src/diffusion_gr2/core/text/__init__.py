@@ -1,6 +1,6 @@
-"""Text side of the re-ranker: prompt template, output parser, tokenizer, reasoning-trace teachers.
+"""Text side of the re-ranker: prompt template, output parser, tokenizer, the reasoning-trace teacher.
 
 Modules: `prompt` (ItemLookup, build_messages, render_answer), `parser` (parse_answer, apply_fallback),
 `tokenizer` (build_tokenizer, extend_tokenizer, encode_example, decode_response), `traces`
-(RuleBasedAnalyst, rejection_sample, build_sft_rows), `lm_teacher` (optional local-LM teacher).
+(RuleBasedAnalyst, rejection_sample, build_sft_rows).
 """

@@ -8,12 +8,14 @@ run, then any run tagged as having produced that hash. Each node is printed with
 commit, key parameters and metrics; each input with its hash and whether the file on disk still has
 it (``CHANGED`` or ``MISSING`` otherwise; ``superseded`` when a later run of the pipeline wrote
 what is there now, as a retrain does). Inputs nobody produced are the raw files. A model, version,
-alias or run the store does not hold raises `NotFoundError`, naming it.
+alias or run the store does not hold raises `NotFoundError`, naming it; a TARGET of neither form
+raises `MalformedTargetError`, naming the forms.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -22,11 +24,20 @@ from typing import Any
 
 from mlflow import MlflowClient
 from mlflow.entities import Run
+from mlflow.entities.model_registry import ModelVersion
 
 from diffusion_gr2.core.tracking.lineage import NODES_ARTIFACT_DIR, PRODUCED_TAG, DigestCache
 from diffusion_gr2.core.tracking.mlflow_utils import get_run, model_version, version_by_alias
 
-__all__ = ["KEY_PARAM_WORDS", "Lineage", "lineage_lines", "resolve_target"]
+__all__ = [
+    "KEY_PARAM_WORDS",
+    "MODEL_URI_FORMS",
+    "Lineage",
+    "MalformedTargetError",
+    "check_target",
+    "lineage_lines",
+    "resolve_target",
+]
 
 # Parameters worth a line in the printout (the rest are in the MLflow UI).
 KEY_PARAM_WORDS = (
@@ -192,16 +203,47 @@ def walk(lineage: Lineage, name: str, entry: dict[str, Any], run_id: str | None,
         yield from walk(lineage, child, child_entry, producer_run, depth + 2)
 
 
+MODEL_URI_FORMS = "models:/NAME@ALIAS or models:/NAME/VERSION (VERSION a number)"
+
+
+class MalformedTargetError(ValueError):
+    """A TARGET that is neither a model URI nor a run id of the forms taken; the message says which.
+
+    Not a `NotFoundError`: nothing was looked up. The operations commands print it as one line too.
+    """
+
+
+# MLflow refuses "/" and ":" in a model name; "@" would make the alias ambiguous
+_MODEL_URI = re.compile(r"models:/(?P<name>[^/:@]+)(?:@(?P<alias>[^/:@]+)|/(?P<version>\d+))")
+_RUN_ID = re.compile(r"[a-zA-Z0-9][\w\-]{0,255}")  # MLflow's own run id rule (mlflow.utils.validation)
+
+
+def check_target(target: str) -> None:
+    """`MalformedTargetError` unless `target` has a form `lineage` takes; nothing is looked up."""
+    if target.startswith("models:"):
+        if _MODEL_URI.fullmatch(target) is None:
+            raise MalformedTargetError(f"malformed model URI {target!r}: expected {MODEL_URI_FORMS}")
+    elif _RUN_ID.fullmatch(target) is None:  # MLflow would answer with a traceback of its own
+        raise MalformedTargetError(
+            f"malformed lineage target {target!r}: expected {MODEL_URI_FORMS}, or an MLflow run id "
+            "(letters, digits, _ and -)"
+        )
+
+
+def _target_version(client: MlflowClient, target: str) -> ModelVersion:
+    """The version a well-formed `models:` target names (`NotFoundError` when the store lacks it)."""
+    match = _MODEL_URI.fullmatch(target)
+    assert match is not None  # check_target ran first
+    if match["alias"] is not None:
+        return version_by_alias(client, match["name"], match["alias"])
+    return model_version(client, match["name"], match["version"])
+
+
 def resolve_target(client: MlflowClient, target: str) -> tuple[list[str], str, dict[str, dict[str, Any]]]:
     """Header lines, the run to start in, and the starting artifacts (``name -> {path, digest}``)."""
-    if target.startswith("models:/"):
-        ref = target.removeprefix("models:/")
-        if "@" in ref:
-            name, alias = ref.split("@", 1)
-            mv = version_by_alias(client, name, alias)
-        else:
-            name, version = ref.rsplit("/", 1)
-            mv = model_version(client, name, version)
+    check_target(target)
+    if target.startswith("models:"):
+        mv = _target_version(client, target)
         tags = mv.tags
         header = [
             f"{mv.name} version {mv.version}  aliases {sorted(getattr(mv, 'aliases', []) or [])}  "
