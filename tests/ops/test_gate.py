@@ -11,6 +11,7 @@ import mlflow
 import pandas as pd
 import pytest
 
+from diffusion_gr2.core.bench.harness import TimedRate
 from diffusion_gr2.core.tracking import registry
 from diffusion_gr2.core.tracking.gate import GateConfig, decide, newest_slice, prerank_score
 from diffusion_gr2.pipelines.retrain.nodes import register_models, run_gate
@@ -132,7 +133,7 @@ def test_a_sound_first_challenger_is_promoted_and_every_figure_is_reported() -> 
         "valid_rate",
         "recall@1_vs_prerank.low",
         "recall@1_vs_teacher.low",
-        "speed_ratio_vs_ar_rl",
+        "speed_ratio_vs_ar_rl.low",
     }
     assert "hits" not in result["challenger_metrics"]  # per-request lists stay out of the report
 
@@ -148,7 +149,7 @@ def prerank_score_of(hits: list[float]) -> dict:
         ("worse_than_champion", "recall@1_vs_champion.low"),
         ("own_answers_invalid", "unforced_rate"),
         ("served_invalid", "valid_rate"),
-        ("slower", "speed_ratio_vs_ar_rl"),
+        ("slower", "speed_ratio_vs_ar_rl.low"),
     ],
 )
 def test_each_check_refuses_on_its_own(case: str, failed: str) -> None:
@@ -172,6 +173,21 @@ def test_each_check_refuses_on_its_own(case: str, failed: str) -> None:
     result = decide(challenger, champion_side, side(fair, speed=100.0), prerank_score_of(prerank), CONFIG)
     assert result["decision"] == "refuse" and result["decided_by"] == [failed]
     assert failed in result["reasons"]
+
+
+def test_the_speed_check_takes_the_lower_end_of_the_paired_speed_up() -> None:
+    """Faster in the median round but slower in one of six: the interval's lower end decides."""
+    good, fair = paired_hits(N, 64, 51, 51)
+    teacher = TimedRate([100.0] * 6)
+    steady, shaky = TimedRate([150.0] * 6), TimedRate([150.0, 160.0, 90.0, 150.0, 155.0, 145.0])
+    prerank = prerank_score_of([0.0] * N)
+    for rate, decision in ((steady, "promote"), (shaky, "refuse")):
+        challenger = side(good) | {"output_tokens_per_s": rate}
+        result = decide(challenger, None, side(fair) | {"output_tokens_per_s": teacher}, prerank, CONFIG)
+        numbers = result["numbers"]
+        assert result["decision"] == decision and numbers["speed_ratio_vs_ar_rl"] == 1.5
+        assert numbers["speed_ratio_vs_ar_rl.low"] == (1.5 if rate is steady else 0.9)
+        assert numbers["speed_ratio_vs_ar_rl.coverage"] == pytest.approx(1 - 2 / 64)
 
 
 def test_the_prerank_side_is_its_first_candidate() -> None:

@@ -15,7 +15,8 @@ A challenger is promoted only when every check passes (`decide`):
   AR teacher when there is no champion yet: the lower bound of the paired bootstrap interval of the
   R@1 difference (resampling users) at least ``-margin``;
 * its decoding speed (output tokens per second) at least `min_speed_ratio` times the AR teacher's on
-  the same requests, timed apart from the accuracy pass, as the benchmark times it.
+  the same requests: the lower end of the speed-up's interval (per-round ratios of the one timing
+  harness, `core/bench/harness.py`), timed apart from the accuracy pass, as the benchmark times it.
 
 `benchmarks/gate_power.py` sizes the slice and the margin: a challenger at parity passes, one
 clearly worse is refused (docs/operations.md).
@@ -32,7 +33,7 @@ from typing import Any
 
 import pandas as pd
 
-from diffusion_gr2.core.bench.harness import TimedRate, TimedSystem, round_rates, time_rounds
+from diffusion_gr2.core.bench.harness import TimedRate, TimedSystem, round_rates, speedup, time_rounds
 from diffusion_gr2.core.rank.metrics import paired_bootstrap
 from diffusion_gr2.core.tracking.serving import Ranker, RequestError, parse_request
 
@@ -54,8 +55,8 @@ class GateConfig:
     level: float = 0.95  # two-sided level of the paired intervals
     n_boot: int = 1000  # bootstrap resamples (of users)
     speed_batch_size: int = 1  # rows decoded together while timing (1 = one request's latency)
-    speed_requests: int = 32  # timed on the first N gate requests
-    speed_rounds: int = 3  # interleaved rounds; each model's best counts
+    speed_requests: int = 16  # timed on the first N gate requests
+    speed_rounds: int = 6  # interleaved rounds: 6 make the range of the per-round ratios a 97% interval
 
 
 def newest_slice(
@@ -201,6 +202,23 @@ def _non_inferior(
     return _at_least(f"recall@1_vs_{name}.low", paired.low, -config.margin, detail), numbers
 
 
+def _speed_ratio(challenger: float, teacher: float, level: float) -> dict[str, float]:
+    """The challenger's speed-up over the teacher: paired by round with its interval (`harness.speedup`)
+    when both rates carry their rounds, else the ratio alone (low = high = it)."""
+    if isinstance(challenger, TimedRate) and isinstance(teacher, TimedRate):
+        ratio = speedup(challenger, teacher, level)
+        value, low, high, coverage = ratio.value, ratio.low, ratio.high, ratio.coverage
+    else:
+        value = low = high = float(challenger) / max(float(teacher), 1e-9)
+        coverage = 1.0
+    return {
+        "speed_ratio_vs_ar_rl": value,
+        "speed_ratio_vs_ar_rl.low": low,
+        "speed_ratio_vs_ar_rl.high": high,
+        "speed_ratio_vs_ar_rl.coverage": coverage,
+    }
+
+
 def decide(
     challenger: dict[str, Any],
     champion: dict[str, Any] | None,
@@ -216,7 +234,7 @@ def decide(
     paired (`paired_bootstrap`, whole `users` resampled): against the pre-rank always, against the
     champion when one serves, else against the AR teacher (the first promotion).
     """
-    speed_ratio = challenger["output_tokens_per_s"] / max(teacher["output_tokens_per_s"], 1e-9)
+    speed = _speed_ratio(challenger["output_tokens_per_s"], teacher["output_tokens_per_s"], config.level)
     checks = [
         _at_least(
             "unforced_rate",
@@ -233,10 +251,13 @@ def decide(
         numbers |= figures
     checks.append(
         _at_least(
-            "speed_ratio_vs_ar_rl",
-            speed_ratio,
+            "speed_ratio_vs_ar_rl.low",
+            speed["speed_ratio_vs_ar_rl.low"],
             config.min_speed_ratio,
-            f"{challenger['output_tokens_per_s']:.0f} vs {teacher['output_tokens_per_s']:.0f} output tokens/s",
+            f"{challenger['output_tokens_per_s']:.0f} vs {teacher['output_tokens_per_s']:.0f} output tokens/s, "
+            f"speed-up {speed['speed_ratio_vs_ar_rl']:.2f}x, interval [{speed['speed_ratio_vs_ar_rl.low']:.2f}, "
+            f"{speed['speed_ratio_vs_ar_rl.high']:.2f}] ({speed['speed_ratio_vs_ar_rl.coverage']:.0%}, "
+            "per-round ratios)",
         )
     )
     failed = [c for c in checks if not c.passed]
@@ -253,7 +274,7 @@ def decide(
         "valid_rate": challenger["valid_rate"],
         "unforced_rate": challenger["unforced_rate"],
         "teacher.unforced_rate": teacher["unforced_rate"],
-        "speed_ratio_vs_ar_rl": speed_ratio,
+        **speed,
         "challenger.tokens_per_s": challenger["output_tokens_per_s"],
         "teacher.tokens_per_s": teacher["output_tokens_per_s"],
         "n_requests": challenger["n"],
