@@ -1,0 +1,218 @@
+"""The results table of a run: one Markdown table from `data/08_reporting/`, and the line saying where.
+
+Per served system (`ar_rl`, and `rl` at its operating point) and the pre-rank, on the test split:
+R@1 with its 95% interval, the paired R@1 difference to `ar_rl` and to the pre-rank, the model's own
+and the served valid rates, tokens per forward, and the speed-up over `ar_rl` at batch 1 and 16 (and
+over the fastest AR row of the benchmark) under the answer grammar, each with its interval. Then one
+line: date, commit, machine, run minutes. `python -m diffusion_gr2 results` prints it; the run report
+starts with it; the README embeds the last default run's.
+
+Reads `stage_metrics.json`, `comparisons.json`, `operating_point.json`, `benchmark.json` (written by
+`make benchmark`; without it the speed columns say so) and `node_times.json`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from diffusion_gr2.core.bench.harness import speedup
+
+__all__ = ["ResultsError", "results_markdown"]
+
+AR_ROWS = ("ar_rl", "ar_sft", "generate")  # benchmark rows decoded one token a forward (no tau)
+SPEED_BATCHES = (1, 16)
+
+
+class ResultsError(FileNotFoundError):
+    """A reporting file the table needs is missing or unreadable."""
+
+
+def _read(folder: Path, name: str, required: bool = True) -> Any:
+    path = folder / name
+    if not path.exists():
+        if required:
+            raise ResultsError(f"{path}: not found; `make run` writes it (the results come from a run)")
+        return None
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise ResultsError(f"{path}: not valid JSON ({err})") from err
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Equal settings, None and NaN alike (AR rows have no tau, whole-block rows no window)."""
+    missing = [v is None or (isinstance(v, float) and math.isnan(v)) for v in (a, b)]
+    if any(missing):
+        return all(missing)
+    return float(a) == float(b)
+
+
+def _stage(rows: Sequence[Mapping[str, Any]], system: str, tau: Any, window: Any) -> Mapping[str, Any] | None:
+    return next(
+        (
+            r
+            for r in rows
+            if r["split"] == "test"
+            and r["system"] == system
+            and _same(r.get("tau"), tau)
+            and _same(r.get("window"), window)
+        ),
+        None,
+    )
+
+
+def _paired(
+    rows: Sequence[Mapping[str, Any]], system: str, tau: Any, window: Any, baseline: str
+) -> Mapping[str, Any] | None:
+    return next(
+        (
+            r
+            for r in rows
+            if r["split"] == "test"
+            and r["metric"] == "recall@1"
+            and r["system"] == system
+            and r["baseline"] == baseline
+            and _same(r.get("tau"), tau)
+            and _same(r.get("window"), window)
+        ),
+        None,
+    )
+
+
+def _fmt(value: Any, digits: int = 3) -> str:
+    return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:.{digits}f}"
+
+
+def _interval(value: Any, low: Any, high: Any, digits: int = 3, sign: bool = False) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    spec = f"+.{digits}f" if sign else f".{digits}f"
+    return f"{value:{spec}} [{low:{spec}}, {high:{spec}}]"
+
+
+def _bench_row(
+    bench: Sequence[Mapping[str, Any]], system: str, tau: Any, window: Any, batch: int
+) -> Mapping[str, Any] | None:
+    return next(
+        (
+            r
+            for r in bench
+            if r["system"] == system
+            and r["constrained"]
+            and int(r["batch_size"]) == batch
+            and _same(r.get("tau"), tau)
+            and _same(r.get("window"), window)
+        ),
+        None,
+    )
+
+
+def _speed_cells(bench: Sequence[Mapping[str, Any]] | None, system: str, tau: Any, window: Any) -> list[str]:
+    """Tokens per forward (batch 1), speed-up over ar_rl at each of SPEED_BATCHES, and over the fastest
+    AR row at batch 1; all under the grammar, from the one benchmark run."""
+    if bench is None:
+        return ["no benchmark.json"] + ["-"] * (len(SPEED_BATCHES) + 1)
+    one = _bench_row(bench, system, tau, window, 1)
+    cells = [_fmt(one["tokens_per_forward"], 2) if one else "-"]
+    for batch in SPEED_BATCHES:
+        row = _bench_row(bench, system, tau, window, batch)
+        cells.append(
+            "-"
+            if row is None or row.get("speedup_vs_ar") is None
+            else _interval(row["speedup_vs_ar"], row["speedup_vs_ar_low"], row["speedup_vs_ar_high"], 2) + "x"
+        )
+    ar = [r for r in bench if r["constrained"] and int(r["batch_size"]) == 1 and r.get("tau") is None]
+    fastest = max(ar, key=lambda r: r["output_tokens_per_s"], default=None)
+    if one is None or fastest is None:
+        cells.append("-")
+    else:
+        ratio = speedup(one["tokens_per_s_by_round"], fastest["tokens_per_s_by_round"])
+        cells.append(f"{_interval(ratio.value, ratio.low, ratio.high, 2)}x ({fastest['system']})")
+    return cells
+
+
+def _served(points: Mapping[str, Any] | None) -> list[tuple[str, Any, Any, str]]:
+    """(system, tau, window, operating point text) of each row: pre-rank, ar_rl, then each diffusion
+    system with an operating point, or its refusal (shown at its first test tau, marked not served)."""
+    rows: list[tuple[str, Any, Any, str]] = [
+        ("prerank", None, None, "retriever order"),
+        ("ar_rl", None, None, "AR"),
+    ]
+    for system, point in (points or {}).items():
+        if point.get("tau") is not None:
+            window = point.get("window")
+            text = f"tau {point['tau']}, " + ("whole block" if window is None else f"window {window}")
+            rows.append((system, point["tau"], window, text))
+        else:
+            rows.append((system, "refused", None, "none: refused on validation"))
+    return rows
+
+
+def _run_line(times: Mapping[str, Any] | None) -> str:
+    run = (times or {}).get("run") or {}
+    if not run:
+        return "Run: unknown (node_times.json has no run record)."
+    gpu = run.get("gpu") or "no GPU"
+    commit = str(run.get("git_commit", "unknown"))[:7] + (
+        " (uncommitted changes)" if run.get("git_dirty") == "true" else ""
+    )
+    minutes = (times or {}).get("total_s", math.nan) / 60.0
+    return (
+        f"Run: {run.get('started', 'unknown')}, commit {commit}, env {run.get('env', '?')}, "
+        f"{run.get('cpu_cores', '?')} CPU cores, {run.get('torch_threads', '?')} torch threads, {gpu}; "
+        f"{minutes:.1f} min (pipelines: {', '.join(run.get('pipelines', ['?']))})."
+    )
+
+
+def results_markdown(folder: str | Path) -> str:
+    """The results table of the run whose reports are in `folder` (`data/08_reporting`)."""
+    folder = Path(folder)
+    stages = _read(folder, "stage_metrics.json")
+    paired = _read(folder, "comparisons.json")
+    points = _read(folder, "operating_point.json", required=False)
+    bench = _read(folder, "benchmark.json", required=False)
+    times = _read(folder, "node_times.json", required=False)
+    head = (
+        "| system | operating point | requests | test R@1 [95%] | vs ar_rl (paired) | vs pre-rank (paired) | own valid "
+        "| served valid | tokens/forward | speed-up vs ar_rl, batch 1 | batch 16 | vs fastest AR, batch 1 |"
+    )
+    lines = [head, "|" + "---|" * 12]
+    for system, tau, window, text in _served(points):
+        if tau == "refused":
+            tested = sorted(
+                (r for r in stages if r["split"] == "test" and r["system"] == system),
+                key=lambda r: -(r.get("tau") or 0.0),
+            )
+            if not tested:
+                continue
+            tau, window = tested[0].get("tau"), tested[0].get("window")
+            text += f" (figures at tau {tau}, not served)"
+        row = _stage(stages, system, tau, window)
+        if row is None:
+            continue
+        cells = [
+            system,
+            text,
+            str(row["n"]),
+            _interval(row["recall@1"], *row["ci"]["recall@1"]),
+        ]
+        for baseline in ("ar_rl", "prerank"):
+            diff = None if system == baseline else _paired(paired, system, tau, window, baseline)
+            cells.append(
+                "-" if diff is None else _interval(diff["mean_diff"], diff["low"], diff["high"], sign=True)
+            )
+        cells += [_fmt(row.get("unforced_rate"), 2), _fmt(row.get("valid_rate"), 2)]
+        cells += ["-"] * 4 if system == "prerank" else _speed_cells(bench, system, tau, window)
+        lines.append("| " + " | ".join(cells) + " |")
+    ar = _stage(stages, "ar_rl", None, None)
+    size = "" if ar is None else f" ({ar['n']} requests)"
+    note = (
+        f"Test split{size}; paired differences on the requests both answered; intervals resample users; speed-ups "
+        "are medians of per-round ratios under the answer grammar, with their sign-test intervals "
+        "(`benchmark.json` `statistic`). Own valid: answers decoded without the grammar that it accepts."
+    )
+    return "\n".join([*lines, "", note, "", _run_line(times)]) + "\n"
