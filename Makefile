@@ -13,7 +13,7 @@ export HF_HUB_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1 TRANSFORMERS_OFFLINE=1 GX_ANA
 PIP_QUIET := 2>&1 | { grep -v "^WARNING: Location" || true; }
 
 
-.PHONY: setup run run-full run-distributed test lint format benchmark mlflow-ui dvc-repro clean retrain register serve viz
+.PHONY: setup setup-airflow run run-full run-distributed test lint format benchmark mlflow-ui dvc-repro clean retrain register serve viz
 
 $(STAMP): requirements/lock.txt pyproject.toml
 	@command -v $(PYTHON) >/dev/null || { echo "$(PYTHON) not found: set PYTHON=/path/to/python3.11"; exit 1; }
@@ -30,6 +30,23 @@ $(STAMP): requirements/lock.txt pyproject.toml
 	@touch $(STAMP)
 
 setup: $(STAMP)
+
+# Airflow 3.3 in an environment of its own: it needs fastapi<0.137 and the project's set pins 0.165.
+# Only the project's package goes on its path, a link to src/diffusion_gr2 (the DAG imports
+# diffusion_gr2.airflow_task: standard library only); not src/ itself, whose egg-info would make `pip
+# check` there ask for the project's dependencies. Each task runs on the project's interpreter
+# (DIFFUSION_GR2_PYTHON: docs/operations.md, Airflow).
+AIRFLOW_VENV := .venv-airflow
+AIRFLOW_STAMP := $(AIRFLOW_VENV)/.installed
+$(AIRFLOW_STAMP): requirements/airflow-lock.txt
+	@test -x $(AIRFLOW_VENV)/bin/python || $(PYTHON) -m venv $(AIRFLOW_VENV)
+	$(AIRFLOW_VENV)/bin/pip install -q --upgrade pip $(PIP_QUIET)
+	$(AIRFLOW_VENV)/bin/pip install -q -r requirements/airflow-lock.txt $(PIP_QUIET)
+	mkdir -p $(AIRFLOW_VENV)/project && ln -sfn $(abspath src/diffusion_gr2) $(AIRFLOW_VENV)/project/diffusion_gr2
+	echo "$(abspath $(AIRFLOW_VENV)/project)" > "$$($(AIRFLOW_VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/diffusion_gr2.pth"
+	@touch $(AIRFLOW_STAMP)
+
+setup-airflow: $(AIRFLOW_STAMP)
 
 run: setup
 	$(BIN)/kedro run
@@ -56,7 +73,7 @@ run-distributed: setup
 	$(BIN)/accelerate launch --config_file $(ACCELERATE_CONFIG) --num_processes $(NPROC) \
 	  -m diffusion_gr2 run --env $(ENV) $(KEDRO_ARGS)
 
-test: setup
+test: setup setup-airflow
 	$(BIN)/ruff check src tests benchmarks
 	$(BIN)/pytest
 
@@ -99,4 +116,4 @@ viz: setup
 	$(BIN)/kedro viz run --host 127.0.0.1 --port $(VIZ_PORT) --no-browser
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(AIRFLOW_VENV) .pytest_cache .ruff_cache

@@ -3,7 +3,10 @@
 Generated: kedro airflow create -p retrain -e airflow -t airflow_dags/ -j airflow_dags/dag_template.j2
 Each task runs `diffusion_gr2.airflow_task.run_nodes`: a training node becomes one launched job when
 the worker sets DIFFUSION_GR2_LAUNCH (e.g. "accelerate launch --config_file conf/accelerate/ddp.yaml";
-docs/distributed.md), everything else runs in the task's own process.
+docs/distributed.md), everything else runs in the task's own process, or on the project's
+interpreter when Airflow has its own environment (DIFFUSION_GR2_PYTHON=.venv/bin/python; `make
+setup-airflow`). The first task decides whether anything is new: when not (and a champion serves),
+it skips itself and Airflow skips every task after it, so nothing is trained or registered.
 """
 
 from __future__ import annotations
@@ -35,6 +38,10 @@ conf_source = "" or None
     ),
 )
 def diffusion_gr2():
+
+    @task(task_id="decide-retrain")
+    def decide_retrain():
+        run_nodes(pipeline_name, ["decide_retrain"], env, conf_source)
 
     @task(task_id="take-in-incoming")
     def take_in_incoming():
@@ -125,6 +132,7 @@ def diffusion_gr2():
         run_nodes(pipeline_name, ["run_gate"], env, conf_source)
 
     tasks = {
+        "decide-retrain": decide_retrain(),
         "take-in-incoming": take_in_incoming(),
         "plan-warm-start": plan_warm_start(),
         "prepare-dataset": prepare_dataset(),
@@ -148,6 +156,7 @@ def diffusion_gr2():
         "register-models": register_models(),
         "run-gate": run_gate(),
     }
+    tasks["decide-retrain"] >> tasks["take-in-incoming"]
     tasks["take-in-incoming"] >> tasks["plan-warm-start"]
     tasks["take-in-incoming"] >> tasks["prepare-dataset"]
     tasks["prepare-dataset"] >> tasks["embed-item-texts"]

@@ -13,13 +13,11 @@ python -m diffusion_gr2 [kedro run options]                        # anything el
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from pathlib import Path
 
 OPS_COMMANDS = ("lineage", "registry", "retrain")
-REPORT_WITHOUT_RETRAIN = Path("data/08_reporting/retrain/ingest_without_retrain.json")
 
 
 def _mlflow_client():
@@ -62,43 +60,32 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def retrain(env: str | None, force: bool, client) -> int:  # noqa: ANN001 (an MlflowClient)
-    """Retrain when the incoming folder holds new rows (or no champion serves yet, or `force`).
+    """Run the retrain pipeline unless there is nothing to retrain (`core.tracking.retrain_decision`).
 
-    Otherwise the incoming files are still taken in (duplicates to ``done/``, bad files to
-    quarantine, under the retrain lock; the report in ``ingest_without_retrain.json``, so the last
-    retrain's ``ingest.json``, an input on its lineage record, stays as it was) and nothing is trained or
-    registered: the same delivery twice changes nothing, the champion included.
+    The decision is the one the pipeline's first node makes, asked here first so that "nothing new"
+    opens no Kedro session and no MLflow run: the incoming files are still taken in, the decision's
+    reason is printed, and nothing is trained or registered. ``--force`` is ``retrain.force=true``.
     """
     from kedro.config import OmegaConfigLoader
     from kedro.framework.session import KedroSession
     from kedro.framework.startup import bootstrap_project
 
-    from diffusion_gr2.core.io import atomic_write_text
-    from diffusion_gr2.core.tracking import registry
-    from diffusion_gr2.core.tracking.ingest import IngestConfig, acquire_lock, ingest, release_lock
+    from diffusion_gr2.core.tracking.ingest import IngestConfig
+    from diffusion_gr2.core.tracking.retrain_decision import decide_retrain
     from diffusion_gr2.settings import CONFIG_LOADER_ARGS
 
     # the project's own loader settings (base/local, the `env` resolver), as the Kedro session uses
     loader = OmegaConfigLoader("conf", env=env or os.environ.get("KEDRO_ENV"), **CONFIG_LOADER_ARGS)
     params = loader["parameters"]["retrain"]
-    config = IngestConfig(**params["ingest"])
-    pending = ingest(config, dry_run=True)
-    champion = registry.alias_version(registry.DIFFUSION_MODEL, registry.CHAMPION, client)
-    if pending["new_rows"] == 0 and champion is not None and not force:
-        acquire_lock(params["lock_file"])
-        try:
-            report = ingest(config)
-        finally:
-            release_lock(params["lock_file"])
-        atomic_write_text(REPORT_WITHOUT_RETRAIN, json.dumps(report, indent=2))
-        sys.stdout.write(
-            f"nothing new in {config.incoming_dir} ({len(report['files'])} file(s): "
-            f"{report['quarantined']} quarantined, the rest already held): no retrain, "
-            f"{registry.DIFFUSION_MODEL} v{champion.version} stays champion\n"
-        )
+    force = force or bool(params.get("force", False))
+    decision = decide_retrain(IngestConfig(**params["ingest"]), params["lock_file"], force, client)
+    if not decision.retrain:
+        sys.stdout.write(f"{decision.reason}\n")
         return 0
     bootstrap_project(Path.cwd())
-    with KedroSession.create(project_path=Path.cwd(), env=env) as session:
+    # the pipeline decides again, on the same function: forced there too when forced here
+    runtime = {"retrain": {"force": True}} if force else None
+    with KedroSession.create(project_path=Path.cwd(), env=env, runtime_params=runtime) as session:
         session.run(pipeline_names=["retrain"])
     return 0
 

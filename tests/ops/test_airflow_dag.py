@@ -1,8 +1,11 @@
-"""The committed Airflow DAG is the retrain pipeline as it is now (regenerate it when a node changes)."""
+"""The committed Airflow DAG is the retrain pipeline as it is now (regenerate it when a node changes);
+what a task runs. The DAG run under Airflow itself: test_airflow_run.py."""
 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
@@ -58,3 +61,29 @@ def test_a_training_task_is_one_launched_job_when_the_worker_names_a_launcher(
     monkeypatch.setattr("kedro.framework.session.KedroSession.create", lambda **kw: Session())
     airflow_task.run_nodes("retrain", ["convert_teacher"], "airflow")
     assert sessions == [["convert_teacher"]] and len(launched) == 1
+
+
+def test_a_task_on_the_projects_interpreter_comes_back_skipped_or_failed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Airflow in its own environment: exit 99 is the skip (with the child's reason), any other failure fails."""
+    import subprocess
+
+    from diffusion_gr2 import airflow_task
+
+    def child(status: int, reason: str | None) -> Callable[..., subprocess.CompletedProcess]:
+        def run(command: list[str], **kwargs: object) -> subprocess.CompletedProcess:
+            assert command[:4] == ["/p/python", "-m", "diffusion_gr2.airflow_task", "retrain"]
+            if reason is not None:
+                Path(command[command.index("--reason-file") + 1]).write_text(reason)
+            return subprocess.CompletedProcess(command, status)
+
+        return run
+
+    monkeypatch.setattr(airflow_task.subprocess, "run", child(airflow_task.SKIP_EXIT, "nothing new"))
+    assert airflow_task.run_on("/p/python", "retrain", ["decide_retrain"], "airflow", None) == "nothing new"
+    monkeypatch.setattr(airflow_task.subprocess, "run", child(0, None))
+    assert airflow_task.run_on("/p/python", "retrain", ["train_cft"], "airflow", None) is None
+    monkeypatch.setattr(airflow_task.subprocess, "run", child(1, None))
+    with pytest.raises(subprocess.CalledProcessError):
+        airflow_task.run_on("/p/python", "retrain", ["train_cft"], "airflow", None)

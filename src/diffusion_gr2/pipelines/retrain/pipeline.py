@@ -1,4 +1,7 @@
-"""retrain: fresh files → the default DAG on the merged data (warm or cold) → register → gate → promote.
+"""retrain: decide → fresh files → the default DAG on the merged data (warm or cold) → register → gate → promote.
+
+The first node decides whether there is anything to retrain (`decision.py`): nothing new and a
+champion serving stops the run there, under Kedro or Airflow.
 
 `registration_pipeline` (register the trained `rl`/`ar_rl`, gate, promote) is also the pipeline
 ``register`` (its own folder, `pipelines/register`): after a first `kedro run` it puts the models in
@@ -14,6 +17,7 @@ from kedro.pipeline import Node, Pipeline
 
 from diffusion_gr2.pipelines import TRAINING_STAGES
 
+from .decision import DECISION, DECISION_NODE, after_decision, decide_retrain
 from .nodes import after_ingest, gate_requests, register_models, run_gate, take_in_incoming
 from .warm import plan_warm_start, warm_budget, warm_conversion, warm_sids, warm_teacher, warm_tokenizer
 
@@ -82,7 +86,7 @@ def _budgeted(node: Node) -> Callable:
 
 
 def retrain_pipeline() -> Pipeline:
-    """Ingest, the warm-start plan, the DAG's training stages, then registration and gate.
+    """The decision, the ingest, the warm-start plan, the DAG's training stages, then registration and gate.
 
     `data_prep` waits for the ingest; the nodes `warm.py` names take the plan (cold when it is not
     warm). The stages are imported here: Kedro builds only the pipelines a run asks for
@@ -109,7 +113,18 @@ def retrain_pipeline() -> Pipeline:
 
 
 def _ingest() -> Pipeline:
-    return Pipeline([Node(take_in_incoming, "params:retrain", "ingest_report", name="take_in_incoming")])
+    """Decide, then take the files in: every other node waits for the ingest, so for the decision."""
+    return Pipeline(
+        [
+            Node(decide_retrain, "params:retrain", DECISION, name=DECISION_NODE),
+            Node(
+                after_decision(take_in_incoming),
+                ["params:retrain", DECISION],
+                "ingest_report",
+                name="take_in_incoming",
+            ),
+        ]
+    )
 
 
 def create_pipeline(**kwargs) -> Pipeline:
