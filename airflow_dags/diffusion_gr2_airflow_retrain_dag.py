@@ -123,6 +123,10 @@ def diffusion_gr2():
     def train_diffusion_rl():
         run_nodes(pipeline_name, ["train_diffusion_rl"], env, conf_source)
 
+    @task(task_id="choose-operating-point")
+    def choose_operating_point():
+        run_nodes(pipeline_name, ["choose_operating_point"], env, conf_source)
+
     @task(task_id="register-models")
     def register_models():
         run_nodes(pipeline_name, ["register_models"], env, conf_source)
@@ -153,6 +157,7 @@ def diffusion_gr2():
         "train-cft": train_cft(),
         "train-opd": train_opd(),
         "train-diffusion-rl": train_diffusion_rl(),
+        "choose-operating-point": choose_operating_point(),
         "register-models": register_models(),
         "run-gate": run_gate(),
     }
@@ -210,6 +215,11 @@ def diffusion_gr2():
     tasks["plan-warm-start"] >> tasks["train-diffusion-rl"]
     tasks["train-opd"] >> tasks["train-diffusion-rl"]
     tasks["train-tokenizer"] >> tasks["train-diffusion-rl"]
+    tasks["encode-datasets"] >> tasks["choose-operating-point"]
+    tasks["train-ar-rl"] >> tasks["choose-operating-point"]
+    tasks["train-diffusion-rl"] >> tasks["choose-operating-point"]
+    tasks["train-tokenizer"] >> tasks["choose-operating-point"]
+    tasks["choose-operating-point"] >> tasks["register-models"]
     tasks["fit-item-sids"] >> tasks["register-models"]
     tasks["prepare-dataset"] >> tasks["register-models"]
     tasks["train-ar-rl"] >> tasks["register-models"]

@@ -4,7 +4,6 @@ point are not."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import mlflow
@@ -227,30 +226,23 @@ def test_the_champion_comparison_gets_a_paired_interval_over_users() -> None:
 
 def test_a_refused_operating_point_registers_nothing(store: str, world: World, tmp_path: Path) -> None:
     refused = "no (tau, window) reaches R@1 0.117 on validation; the best R@1 was 0.148 at tau 0.6"
-    point_file = tmp_path / "operating_point.json"
-    point_file.write_text(json.dumps({"rl": {"tau": None, "window": None, "refused": refused}}))
+    chosen = {"rl": {"tau": None, "window": None, "refused": refused}}
     retrain = params(tmp_path) | {
-        "operating_point_file": str(point_file),
         "fallback_tau": 0.9,
         "model_dirs": {s: str(world.models[s]) for s in ("rl", "ar_rl")},
     }
     traces, inference = {"prompt": {}}, {"decoding": {**DECODING, **LONG}}
-    versions = register_models(None, None, world.items, world.sids, retrain, traces, inference)
+    versions = register_models(None, None, world.items, world.sids, chosen, retrain, traces, inference)
     assert versions["rl"] is None and refused in versions["not_registered"]
     report = run_gate(versions, requests(world), retrain)["gate_report"]
     assert report["decision"] == "not_registered" and refused in report["reasons"]
     assert mlflow.MlflowClient().search_registered_models() == []
     assert not (tmp_path / ".retrain.lock").exists()
+    missing = register_models(None, None, world.items, world.sids, {}, retrain, traces, inference)
+    assert missing["rl"] is None and "no entry" in missing["not_registered"]
 
-    forced = register_models(
-        None,
-        None,
-        world.items,
-        world.sids,
-        retrain | {"register_without_operating_point": True},
-        traces,
-        inference,
-    )
+    override = retrain | {"register_without_operating_point": True}
+    forced = register_models(None, None, world.items, world.sids, chosen, override, traces, inference)
     tags = mlflow.MlflowClient().get_model_version(registry.DIFFUSION_MODEL, forced["rl"]).tags
     assert tags["operating_point.source"].startswith("fallback tau 0.9 by register_without_operating_point")
     assert refused in tags["operating_point.source"]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Callable
 from pathlib import Path
@@ -51,22 +50,25 @@ class NoOperatingPoint(RuntimeError):
 
 
 def _serving(
-    system: str, params: dict[str, Any], traces: dict[str, Any], inference: dict[str, Any]
+    system: str,
+    operating_point: dict[str, Any] | None,
+    params: dict[str, Any],
+    traces: dict[str, Any],
+    inference: dict[str, Any],
 ) -> tuple[ServingConfig, str]:
     """The serving settings of `system`: operating point, the inference decoding, the prompt of traces.
 
-    A diffusion system without an operating point (refused on validation, or never chosen) raises
+    `operating_point` is the run's `operating_point.json` (chosen on validation for these very
+    models). A diffusion system without one (refused on validation, or never chosen) raises
     `NoOperatingPoint`, unless `register_without_operating_point` serves it at `fallback_tau`, tagged.
     """
     from diffusion_gr2.core.rank.operating_point import OperatingPointError, resolve_operating_point
 
     tau, window, source = None, None, "ar"
     if system != "ar_rl":
-        operating_point_file = Path(params["operating_point_file"])
         try:
-            chosen = json.loads(operating_point_file.read_text()) if operating_point_file.exists() else None
-            tau, window = resolve_operating_point(chosen, system)
-            source = str(operating_point_file)
+            tau, window = resolve_operating_point(operating_point, system)
+            source = "operating_point.json (validation)"
         except OperatingPointError as err:
             if not params.get("register_without_operating_point", False):
                 raise NoOperatingPoint(str(err)) from err
@@ -84,11 +86,29 @@ def _serving(
     return config, source
 
 
+def choose_operating_point(
+    model_rl: Any, model_ar_rl: Any, requests: pd.DataFrame, tokenizer: Any, inference: dict[str, Any]
+) -> dict[str, Any]:
+    """`rl`'s operating point for the models this retrain trained, on its validation requests.
+
+    The inference stage's own rule and passes (`rerank_ar_rl` as the reference, then `rerank_rl`'s
+    candidates), on the validation split only: the test passes are the default run's report, and the
+    gate measures the challenger on the newest test requests itself.
+    """
+    from diffusion_gr2.pipelines.inference.nodes import make_rerank_node
+
+    valid = {**inference, "splits": ["valid"]}
+    reference = make_rerank_node("ar_rl")(model_ar_rl, requests, tokenizer, valid)
+    result = make_rerank_node("rl")(model_rl, requests, tokenizer, valid, reference, model_ar_rl)
+    return {} if result["operating_point"] is None else {"rl": result["operating_point"]}
+
+
 def register_models(
     model_rl: Any,
     model_ar_rl: Any,
     items: pd.DataFrame,
     sids: pd.DataFrame,
+    operating_point: dict[str, Any] | None,
     params: dict[str, Any],
     traces: dict[str, Any],
     inference: dict[str, Any],
@@ -100,7 +120,7 @@ def register_models(
     a challenger): the versions are None and `not_registered` says why; the gate reports it.
     """
     try:
-        configs = {s: _serving(s, params, traces, inference) for s in ("ar_rl", "rl")}
+        configs = {s: _serving(s, operating_point, params, traces, inference) for s in ("ar_rl", "rl")}
     except NoOperatingPoint as err:
         reason = (
             f"rl not registered: {err} (set retrain.register_without_operating_point to register it "

@@ -1,4 +1,5 @@
-"""retrain: decide → fresh files → the default DAG on the merged data (warm or cold) → register → gate → promote.
+"""retrain: decide → fresh files → the default DAG on the merged data (warm or cold) → rl's operating point
+on validation → register → gate → promote.
 
 The first node decides whether there is anything to retrain (`decision.py`): nothing new and a
 champion serving stops the run there, under Kedro or Airflow.
@@ -18,11 +19,19 @@ from kedro.pipeline import Node, Pipeline
 from diffusion_gr2.pipelines import TRAINING_STAGES
 
 from .decision import DECISION, DECISION_NODE, after_decision, decide_retrain
-from .nodes import after_ingest, gate_requests, register_models, run_gate, take_in_incoming
+from .nodes import (
+    after_ingest,
+    choose_operating_point,
+    gate_requests,
+    register_models,
+    run_gate,
+    take_in_incoming,
+)
 from .warm import plan_warm_start, warm_budget, warm_conversion, warm_sids, warm_teacher, warm_tokenizer
 
 
 def registration_pipeline() -> Pipeline:
+    """Register, gate, promote; reads the run's `operating_point` (inference's, or the retrain's own)."""
     return Pipeline(
         [
             Node(
@@ -32,6 +41,7 @@ def registration_pipeline() -> Pipeline:
                     "model_ar_rl",
                     "items",
                     "sids",
+                    "operating_point",
                     "params:retrain",
                     "params:traces",
                     "params:inference",
@@ -109,7 +119,18 @@ def retrain_pipeline() -> Pipeline:
     warm = Pipeline(
         [Node(plan_warm_start, ["params:retrain", "ingest_report"], "warm_start", name="plan_warm_start")]
     )
-    return _ingest() + warm + dag + registration_pipeline()
+    # the operating point of the models this retrain trained, chosen on its validation requests
+    chosen = Pipeline(
+        [
+            Node(
+                choose_operating_point,
+                ["model_rl", "model_ar_rl", "requests", "tokenizer", "params:inference"],
+                "operating_point",
+                name="choose_operating_point",
+            )
+        ]
+    )
+    return _ingest() + warm + dag + chosen + registration_pipeline()
 
 
 def _ingest() -> Pipeline:
