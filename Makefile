@@ -13,7 +13,7 @@ export HF_HUB_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1 TRANSFORMERS_OFFLINE=1 GX_ANA
 PIP_QUIET := 2>&1 | { grep -v "^WARNING: Location" || true; }
 
 
-.PHONY: setup setup-airflow run run-full run-distributed test lint format benchmark mlflow-ui dvc-repro clean retrain register serve viz
+.PHONY: setup setup-airflow run run-full run-distributed test lint format benchmark results mlflow-ui dvc-repro clean retrain register serve viz
 
 $(STAMP): requirements/lock.txt pyproject.toml
 	@command -v $(PYTHON) >/dev/null || { echo "$(PYTHON) not found: set PYTHON=/path/to/python3.11"; exit 1; }
@@ -87,6 +87,9 @@ format: setup
 
 benchmark: setup
 	$(BIN)/kedro run --pipelines benchmark
+
+results: setup
+	$(BIN)/python -m diffusion_gr2 results
 
 dvc-repro: setup
 	PATH=$(abspath $(BIN)):$$PATH $(BIN)/dvc repro

@@ -5,6 +5,7 @@ python -m diffusion_gr2 registry show
 python -m diffusion_gr2 registry promote diffusion-gr2 3
 python -m diffusion_gr2 registry rollback diffusion-gr2 [--to 2]
 python -m diffusion_gr2 retrain [--env ENV] [--force]             # what `make retrain` and cron run
+python -m diffusion_gr2 results [--reporting data/08_reporting]    # the run's results table (Markdown)
 python -m diffusion_gr2 run [kedro run options]                    # kedro run, on one process or many:
 accelerate launch [--config_file conf/accelerate/X.yaml] -m diffusion_gr2 run [kedro run options]
 python -m diffusion_gr2 [kedro run options]                        # anything else: kedro run
@@ -17,7 +18,7 @@ import os
 import sys
 from pathlib import Path
 
-OPS_COMMANDS = ("lineage", "registry", "retrain")
+OPS_COMMANDS = ("lineage", "registry", "results", "retrain")
 
 
 def _mlflow_client():
@@ -56,6 +57,8 @@ def _parser() -> argparse.ArgumentParser:
     )
     retrain.add_argument("--env", default=None, help="Kedro environment (default: the project's)")
     retrain.add_argument("--force", action="store_true", help="retrain even when nothing new arrived")
+    results = sub.add_parser("results", help="the results table of the last run, from its reports")
+    results.add_argument("--reporting", default="data/08_reporting", help="the run's reporting folder")
     return parser
 
 
@@ -111,6 +114,15 @@ def ops(argv: list[str]) -> int:
         )
 
     args = _parser().parse_args(argv)
+    if args.command == "results":
+        from diffusion_gr2.core.evaluate.results import ResultsError, results_markdown
+
+        try:
+            sys.stdout.write(results_markdown(args.reporting))
+        except ResultsError as err:
+            sys.stderr.write(f"{err}\n")
+            return 1
+        return 0
     if args.command == "retrain":
         return retrain(args.env, args.force, _mlflow_client())
     try:

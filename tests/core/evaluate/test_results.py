@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -147,3 +149,14 @@ def test_without_a_benchmark_the_speed_columns_say_so(tmp_path: Path) -> None:
 def test_a_missing_run_report_is_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(ResultsError, match="stage_metrics.json: not found; `make run` writes it"):
         results_markdown(tmp_path)
+
+
+def test_the_command_prints_the_table_and_fails_clearly_without_a_run(tmp_path: Path) -> None:
+    command = [sys.executable, "-m", "diffusion_gr2", "results", "--reporting"]
+    done = subprocess.run([*command, str(reporting(tmp_path))], capture_output=True, text=True, check=False)
+    assert done.returncode == 0 and done.stdout == results_markdown(tmp_path)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    done = subprocess.run([*command, str(empty)], capture_output=True, text=True, check=False)
+    assert done.returncode == 1 and done.stderr.strip().endswith("(the results come from a run)")
+    assert "Traceback" not in done.stderr
