@@ -21,11 +21,13 @@ def data_prep_run(smoke_project: Path) -> Path:
 def test_data_prep_writes_statistics_and_validated_outputs(data_prep_run: Path) -> None:
     stats = json.loads((data_prep_run / "data/08_reporting/data_stats.json").read_text())
     assert (stats["users"], stats["items"], stats["interactions"]) == (943, 1349, 99287)
-    # smoke holds out two test points per user (data_prep.test_points: 2); every ml-100k user has both
-    assert stats["splits"]["test"] == 2 * stats["users"] == 2 * stats["splits"]["valid"]
-    assert stats["test_points"] == {"per_user": 2, "users_with_fewer": 0}
+    # smoke holds out two test and two validation points per user (data_prep.test_points,
+    # valid_points: 2); every ml-100k user has them all
+    assert stats["splits"]["test"] == 2 * stats["users"] == stats["splits"]["valid"]
+    assert stats["test_points"] == stats["valid_points"] == {"per_user": 2, "users_with_fewer": 0}
     splits = pd.read_parquet(data_prep_run / "data/05_model_input/splits.parquet")
     assert len(splits) == 943 and (splits["test_items"].map(len) == 2).all()
+    assert (splits["valid_items"].map(len) == 2).all()
     validation = json.loads((data_prep_run / "data/08_reporting/validation/splits.json").read_text())
     assert validation["success"] is True
 

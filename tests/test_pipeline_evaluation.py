@@ -68,6 +68,9 @@ def test_rankings_hold_every_system_and_tau(evaluation_run: Path) -> None:
     chosen = (points["rl"]["tau"], points["rl"]["window"])
     assert chosen in {(0.9, None), (0.9, 4)} and points["rl"]["split"] == "valid"
     assert len(points["rl"]["candidates"]) == 2  # smoke: taus [0.9] x windows [null, 4]
+    for c in points["rl"]["candidates"]:  # each paired with ar_rl on the same validation requests
+        assert c["recall@1_vs_ar_rl.n"] == SMOKE_USERS
+        assert c["recall@1_vs_ar_rl.low"] <= c["recall@1_vs_ar_rl"] <= c["recall@1_vs_ar_rl.high"]
     sweep = [(s, None, None) for s in ("prerank", *AR_SYSTEMS)] + [
         (s, t, None) for s in DIFFUSION_SYSTEMS for t in SMOKE_TAUS
     ]

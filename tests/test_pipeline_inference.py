@@ -1,4 +1,5 @@
-"""inference nodes: the tau sweep decodes the first `sweep_max_requests` test requests, the rest all."""
+"""inference nodes: the tau sweep decodes the first `sweep_max_requests` test requests, the rest all;
+on validation the systems that choose nothing decode the first `sweep_max_requests` too."""
 
 from __future__ import annotations
 
@@ -57,26 +58,45 @@ def test_sweep_cap_applies_to_the_sweep_rows_only(world) -> None:
     assert served["operating_point"]["tau"] == 0.5 and swept["operating_point"] is None
     floor = rerank_prerank(requests, params)
     assert _n_by_pass(floor) == _n_by_pass(ar) == {("valid", None): N_USERS, ("test", None): N_USERS}
-    # ar_sft is not the reference the headline pairs with: capped like the sweep
+    # ar_sft is not the reference the headline pairs with: capped like the sweep, on both splits
     sft = make_rerank_node("ar_sft")(tiny_model_for(tokenizer), requests, tokenizer, params)
-    assert _n_by_pass(sft) == {("valid", None): N_USERS, ("test", None): CAP}
-    # rl: tau 0.9 is sweep (capped), tau 0.5 its served operating point (every request)
+    assert _n_by_pass(sft) == {("valid", None): CAP, ("test", None): CAP}
+    # rl: its candidate (tau 0.5) on every validation request, paired with ar_rl's; on test tau 0.9
+    # is sweep (capped), tau 0.5 its served operating point (every request)
     assert _n_by_pass(served["rankings"]) == {
         ("valid", 0.5): N_USERS,
         ("test", 0.9): CAP,
         ("test", 0.5): N_USERS,
     }
-    # cft serves nothing: its whole test sweep is capped; validation is never capped
+    # cft chooses and serves nothing: its validation and test sweeps are capped
     assert _n_by_pass(swept["rankings"]) == {
-        ("valid", 0.9): N_USERS,
-        ("valid", 0.5): N_USERS,
+        ("valid", 0.9): CAP,
+        ("valid", 0.5): CAP,
         ("test", 0.9): CAP,
         ("test", 0.5): CAP,
     }
-    capped = swept["rankings"][swept["rankings"]["split"] == "test"]
-    first = select_requests(requests, "test", CAP)[["user_id", "point"]]
-    for _, rows in capped.groupby("tau"):  # the first CAP requests, the ones the full passes pair with
-        pd.testing.assert_frame_equal(rows[["user_id", "point"]].reset_index(drop=True), first)
+    for split in ("valid", "test"):  # the first CAP requests, the ones the full passes pair with
+        capped = swept["rankings"][swept["rankings"]["split"] == split]
+        first = select_requests(requests, split, CAP)[["user_id", "point"]]
+        for _, rows in capped.groupby("tau"):
+            pd.testing.assert_frame_equal(rows[["user_id", "point"]].reset_index(drop=True), first)
+
+
+def test_each_candidate_holds_its_paired_interval_against_the_reference(world) -> None:
+    """operating_point.json: every candidate's R@1 - ar_rl on the same validation requests, with the
+    paired bootstrap interval; the rule reads its lower bound."""
+    tokenizer, requests = world
+    params = _params(CAP)
+    params["operating_point"] |= {"windows": [None, 2], "n_boot": 50}
+    ar = make_rerank_node("ar_rl")(tiny_model_for(tokenizer), requests, tokenizer, params)
+    point = make_rerank_node("rl")(tiny_model_for(tokenizer, block_size=4), requests, tokenizer, params, ar)
+    point = point["operating_point"]
+    key = "recall@1_vs_ar_rl"
+    for c in point["candidates"]:
+        assert c[f"{key}.n"] == N_USERS and c[f"{key}.low"] <= c[key] <= c[f"{key}.high"]
+        assert c[f"{key}.half_width"] == pytest.approx((c[f"{key}.high"] - c[f"{key}.low"]) / 2)
+        assert c[key] == pytest.approx(c["recall@1"] - point["reference_recall@1"])
+    assert point["chosen"][f"{key}.low"] >= -params["operating_point"]["budget"]
 
 
 def test_the_operating_point_ranks_candidates_by_their_timed_speed(world) -> None:

@@ -53,6 +53,7 @@ def test_split_suite_fails_readably(prepared: PreparedData) -> None:
     assert failed == {
         "expect_column_values_to_be_in_set:test_item_in_train",
         "expect_column_values_to_be_between:valid_item",
+        "expect_column_values_to_be_in_set:valid_item_is_first",  # valid_items still holds the old item
         "expect_column_values_to_be_unique:user_id",
     }
     summary = report.summary()
@@ -72,6 +73,24 @@ def test_split_suite_checks_every_test_point(make_raw: Callable[..., RawDataset]
     report = check_splits(bad, 8)
     failed = {str(r["expectation"]["kwargs"].get("column")) for r in report.failures()}
     assert failed == {"test_item_in_train", "test_points_ordered"}, report.summary()
+
+
+def test_split_suite_checks_every_validation_point(make_raw: Callable[..., RawDataset]) -> None:
+    rows = [(u, (u + j) % 9, 10 * j + u) for u in range(6) for j in range(8)]
+    splits = prepare(make_raw(rows), PrepConfig(k_core=3, test_points=2, valid_points=3)).splits
+    assert check_splits(splits, 9).success and set(splits["valid_items"].map(len)) == {3}
+    bad = splits.copy()
+    last = int(bad.at[1, "valid_items"][-1])
+    bad.at[1, "train_items"] = [*bad.at[1, "train_items"][:-1], last]  # the last point leaks, not point 0
+    stamps = bad.at[2, "valid_timestamps"]
+    bad.at[2, "valid_timestamps"] = [*stamps[:-1], int(bad.at[2, "test_timestamp"]) + 1]  # after test
+    bad.at[3, "valid_items"] = [*bad.at[3, "valid_items"][:2]]  # one timestamp too many
+    report = check_splits(bad, 9)
+    kwargs = [r["expectation"]["kwargs"] for r in report.failures()]
+    failed = {str(k.get("column", k.get("column_A"))) for k in kwargs}
+    assert failed == {"valid_item_in_train", "test_after_valid", "test_points_ordered", "n_valid_points"}, (
+        report.summary()
+    )
 
 
 def test_allow_repeats_drops_leak_expectations(prepared: PreparedData) -> None:

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from diffusion_gr2.core.data.prepare import PrepConfig, k_core_mask, prepare, remap_items
+from diffusion_gr2.core.data.prepare import PrepConfig, data_stats, k_core_mask, prepare, remap_items
 from diffusion_gr2.core.data.raw import DataQualityError, RawDataset, Rejects, build_raw_dataset
 from diffusion_gr2.core.data.readers import read_dataset
 
@@ -25,15 +25,20 @@ FAST = settings(max_examples=40, deadline=None, suppress_health_check=[HealthChe
 
 
 def test_ml100k_statistics(tmp_path: Path) -> None:
-    prepared = prepare(read_dataset("ml-100k", tmp_path), PrepConfig())
+    raw = read_dataset("ml-100k", tmp_path)
+    prepared = prepare(raw, PrepConfig())
     stats = prepared.stats
     assert set(stats) == {
         "users", "items", "interactions", "mean_history", "median_history", "splits", "test_points",
-        "rows_read", "rows_rejected", "rejected_by_reason",
+        "valid_points", "rows_read", "rows_rejected", "rejected_by_reason",
     }  # fmt: skip
     assert (stats["users"], stats["items"], stats["interactions"]) == (943, 1349, 99287)
     assert stats["splits"] == {"train": 99287 - 2 * 943, "valid": 943, "test": 943}
-    assert stats["test_points"] == {"per_user": 1, "users_with_fewer": 0}
+    assert stats["test_points"] == stats["valid_points"] == {"per_user": 1, "users_with_fewer": 0}
+    # the default run's split (conf/base: 7 + 7): every ml-100k user has >= 19 interactions, none short
+    base = data_stats(raw, prepared.interactions, 1349, 7, 7)
+    assert base["splits"] == {"train": 99287 - 14 * 943, "valid": 7 * 943, "test": 7 * 943}
+    assert base["valid_points"] == {"per_user": 7, "users_with_fewer": 0}
     assert stats["mean_history"] == pytest.approx(99287 / 943, abs=1e-4)
     assert stats["rows_read"] == 100000 + 1682 and stats["rows_rejected"] == 0
     assert len(prepared.items) == 1349 and len(prepared.splits) == 943
@@ -83,6 +88,7 @@ def test_split_property(make_raw: MakeRaw, rows: list[tuple[int, int, int]], k: 
     for row in prepared.splits.itertuples(index=False):
         user = history.get_group(row.user_id)
         assert row.train_items + [row.valid_item, row.test_item] == user["item_id"].tolist()
+        assert (row.valid_items, row.test_items) == ([row.valid_item], [row.test_item])  # leave-one-out
         assert all(t <= row.valid_timestamp for t in row.train_timestamps)
         assert row.valid_timestamp <= row.test_timestamp
         if dedup:
@@ -158,36 +164,51 @@ def test_config_from_params_and_rating_filter(make_raw: MakeRaw) -> None:
 
 
 @FAST
-@given(rows=rows_strategy, points=st.integers(1, 4))
-def test_test_points_split_property(make_raw: MakeRaw, rows: list[tuple[int, int, int]], points: int) -> None:
-    """The last min(P, n - 2) interactions are test points in time order, the one before validation."""
+@given(rows=rows_strategy, points=st.integers(1, 4), valids=st.integers(1, 4))
+def test_held_out_points_split_property(
+    make_raw: MakeRaw, rows: list[tuple[int, int, int]], points: int, valids: int
+) -> None:
+    """The last t = min(P, n - 2) interactions are test points in time order, the min(V, n - t - 1)
+    before them validation points, the rest (>= 1) train."""
     try:
-        prepared = prepare(make_raw(rows), PrepConfig(k_core=1, test_points=points))
+        prepared = prepare(make_raw(rows), PrepConfig(k_core=1, test_points=points, valid_points=valids))
     except ValueError as err:
         assert "no interactions left" in str(err)
         return
     history = prepared.interactions.groupby("user_id")
-    fewer = 0
+    fewer = fewer_valid = 0
     for row in prepared.splits.itertuples(index=False):
         user = history.get_group(row.user_id)
         expected = min(points, len(user) - 2)
-        fewer += expected < points
+        expected_valid = min(valids, len(user) - expected - 1)
+        fewer, fewer_valid = fewer + (expected < points), fewer_valid + (expected_valid < valids)
         assert len(row.test_items) == len(row.test_timestamps) == expected >= 1
-        assert [*row.train_items, row.valid_item, *row.test_items] == user["item_id"].tolist()
+        assert len(row.valid_items) == len(row.valid_timestamps) == expected_valid >= 1
+        assert len(row.train_items) >= 1
+        assert [*row.train_items, *row.valid_items, *row.test_items] == user["item_id"].tolist()
         assert (row.test_item, row.test_timestamp) == (row.test_items[0], row.test_timestamps[0])
-        assert max(row.train_timestamps) <= row.valid_timestamp <= row.test_timestamps[0]
-        assert not set(row.test_items) & {*row.train_items, row.valid_item}  # dedup: never trained on
+        assert (row.valid_item, row.valid_timestamp) == (row.valid_items[0], row.valid_timestamps[0])
+        assert max(row.train_timestamps) <= row.valid_timestamp
+        assert max(row.valid_timestamps) <= row.test_timestamps[0]
+        assert not set(row.test_items) & {*row.train_items, *row.valid_items}  # dedup: never trained on
+        assert not set(row.valid_items) & set(row.train_items)
     assert prepared.stats["splits"]["test"] == sum(len(t) for t in prepared.splits["test_items"])
+    assert prepared.stats["splits"]["valid"] == sum(len(v) for v in prepared.splits["valid_items"])
     assert sum(prepared.stats["splits"].values()) == len(prepared.interactions)
     assert prepared.stats["test_points"] == {"per_user": points, "users_with_fewer": fewer}
+    assert prepared.stats["valid_points"] == {"per_user": valids, "users_with_fewer": fewer_valid}
 
 
-def test_short_users_give_fewer_test_points(make_raw: MakeRaw) -> None:
-    """A user with n < P + 2 interactions keeps one train and one validation item: n - 2 test points."""
-    rows = [("a", f"i{j}", j) for j in range(6)] + [("b", f"i{j}", j) for j in range(3)]
-    prepared = prepare(make_raw(rows), PrepConfig(k_core=1, test_points=3))
-    points = dict(zip(prepared.splits["user_id"], prepared.splits["test_items"].map(len), strict=True))
-    assert sorted(points.values()) == [1, 3]
+def test_short_users_give_fewer_held_out_points(make_raw: MakeRaw) -> None:
+    """Test points first (n - 2 at most), then validation (what is left but one train interaction)."""
+    rows = [("a", f"i{j}", j) for j in range(9)] + [("b", f"i{j}", j) for j in range(6)]
+    rows += [("c", f"i{j}", j) for j in range(3)]
+    prepared = prepare(make_raw(rows), PrepConfig(k_core=1, test_points=3, valid_points=3))
+    splits = prepared.splits.set_index("user_id")
+    lengths = [(len(r.train_items), len(r.valid_items), len(r.test_items)) for r in splits.itertuples()]
+    assert sorted(lengths) == [(1, 1, 1), (1, 2, 3), (3, 3, 3)]  # c: 3 interactions, b: 6, a: 9
     assert prepared.stats["test_points"] == {"per_user": 3, "users_with_fewer": 1}
-    with pytest.raises(ValueError, match="test_points must be >= 1"):
-        PrepConfig(test_points=0)
+    assert prepared.stats["valid_points"] == {"per_user": 3, "users_with_fewer": 2}
+    for name in ("test_points", "valid_points"):
+        with pytest.raises(ValueError, match=f"{name} must be >= 1"):
+            PrepConfig(**{name: 0})

@@ -45,7 +45,8 @@ def good_items() -> pd.DataFrame:
 
 
 def good_splits() -> pd.DataFrame:
-    """User 0 has one test point, user 1 two (items 2 then 3)."""
+    """User 0 has one validation and one test point, user 1 two validation points (items 1 then 4)
+    and two test points (items 2 then 3)."""
     return pd.DataFrame(
         {
             "user_id": np.array([0, 1], dtype=np.int64),
@@ -53,6 +54,8 @@ def good_splits() -> pd.DataFrame:
             "train_timestamps": [[10], [5]],
             "valid_item": np.array([0, 1], dtype=np.int64),
             "valid_timestamp": np.array([20, 6], dtype=np.int64),
+            "valid_items": [[0], [1, 4]],
+            "valid_timestamps": [[20], [6, 7]],
             "test_item": np.array([1, 2], dtype=np.int64),
             "test_timestamp": np.array([20, 7], dtype=np.int64),
             "test_items": [[1], [2, 3]],
@@ -64,10 +67,10 @@ def good_splits() -> pd.DataFrame:
 def test_good_frames_pass(tmp_path: Path) -> None:
     validate(good_interactions(), interactions_schema(num_items=3), "interactions")
     validate(good_items(), items_schema(num_items=3), "items")
-    validate(good_splits(), splits_schema(num_items=4), "splits")
+    validate(good_splits(), splits_schema(num_items=5), "splits")
     back = pd.read_parquet(atomic_write_parquet(good_splits(), tmp_path / "splits.parquet"))
     assert isinstance(back["train_items"].iloc[0], np.ndarray)  # lists come back as arrays
-    validate(back, splits_schema(num_items=4), "splits")
+    validate(back, splits_schema(num_items=5), "splits")
 
 
 def _error(df: pd.DataFrame, schema: object, name: str) -> str:
@@ -104,42 +107,64 @@ def test_splits_leak_and_range() -> None:
     bad.at[1, "train_items"] = [2]  # the test item of user 1 is also in their train part
     bad.loc[0, "valid_item"] = 7
     bad.loc[0, "valid_timestamp"] = 3  # validation earlier than training
-    message = _error(bad, splits_schema(num_items=4), "splits")
+    message = _error(bad, splits_schema(num_items=5), "splits")
     assert "dataset 'splits'" in message
     assert "frame-level check 'test_item_not_in_train': rows [1]" in message
     assert "frame-level check 'valid_not_before_train': rows [0]" in message
-    assert "column 'valid_item', check 'in_range(0, 3)': rows [0]; values [7]" in message
+    assert "column 'valid_item', check 'in_range(0, 4)': rows [0]; values [7]" in message
 
 
 def test_splits_later_test_point_checked() -> None:
     """Every test point, not only the first, is held out of train, in time order, and matches its scalar."""
     leak = good_splits()
     leak.at[1, "train_items"] = [3]  # user 1's second test point is in their train part
-    assert "frame-level check 'test_item_not_in_train': rows [1]" in _error(leak, splits_schema(4), "splits")
+    assert "frame-level check 'test_item_not_in_train': rows [1]" in _error(leak, splits_schema(5), "splits")
     early = good_splits()
     early.at[1, "test_timestamps"] = [7, 6]  # the second point before the first
-    message = _error(early, splits_schema(4), "splits")
+    message = _error(early, splits_schema(5), "splits")
     assert "column 'test_timestamps', check 'test_timestamps_non_decreasing': rows [1]" in message
     moved = good_splits()
     moved.at[1, "test_items"] = [3, 2]  # `test_item` must be point 0
-    assert "test_item_is_first_test_point': rows [1]" in _error(moved, splits_schema(4), "splits")
+    assert "test_item_is_first_test_point': rows [1]" in _error(moved, splits_schema(5), "splits")
     twice = good_splits()
     twice.at[1, "test_items"] = [2, 2]
-    assert "test_points_distinct': rows [1]" in _error(twice, splits_schema(4), "splits")
+    assert "test_points_distinct': rows [1]" in _error(twice, splits_schema(5), "splits")
+
+
+def test_splits_every_validation_point_checked() -> None:
+    """Every validation point is held out of train and test, in time order, before every test
+    point, and its scalar columns are point 0."""
+    leak = good_splits()
+    leak.at[1, "train_items"] = [4]  # user 1's second validation point is in their train part
+    assert "'valid_item_not_in_train': rows [1]" in _error(leak, splits_schema(5), "splits")
+    late = good_splits()
+    late.at[1, "valid_timestamps"] = [6, 8]  # the last validation point after test point 0 (t = 7)
+    assert "'test_not_before_valid': rows [1]" in _error(late, splits_schema(5), "splits")
+    tested = good_splits()
+    tested.at[1, "valid_items"] = [1, 3]  # a validation point that is also a test point
+    message = _error(tested, splits_schema(5), "splits")
+    assert "'valid_item_not_test_item': rows [1]" in message
+    moved = good_splits()
+    moved.at[1, "valid_items"] = [4, 1]
+    message = _error(moved, splits_schema(5), "splits")
+    assert "'valid_item_is_first_valid_point': rows [1]" in message
+    short = good_splits()
+    short.at[1, "valid_timestamps"] = [6]
+    assert "'valid_lengths_match': rows [1]" in _error(short, splits_schema(5), "splits")
 
 
 def test_splits_repeats_allowed_without_dedup() -> None:
     repeat = good_splits()
     repeat.at[1, "train_items"] = [2]
-    validate(repeat, splits_schema(num_items=4, allow_repeats=True), "splits")
-    assert "test_item_not_in_train" in _error(repeat, splits_schema(num_items=4), "splits")
+    validate(repeat, splits_schema(num_items=5, allow_repeats=True), "splits")
+    assert "test_item_not_in_train" in _error(repeat, splits_schema(num_items=5), "splits")
 
 
 def test_splits_empty_train_and_length_mismatch() -> None:
     bad = good_splits()
     bad.at[0, "train_items"] = []
     bad.at[1, "train_timestamps"] = [5, 5]
-    message = _error(bad, splits_schema(num_items=4), "splits")
+    message = _error(bad, splits_schema(num_items=5), "splits")
     assert "column 'train_items', check 'items_list': rows [0]" in message
     assert "frame-level check 'train_lengths_match'" in message
 

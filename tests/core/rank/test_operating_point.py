@@ -1,44 +1,76 @@
-"""The operating point: the fastest (tau, window) within the R@1 budget of the AR teacher, or a refusal."""
+"""The operating point: the fastest (tau, window) whose paired R@1 interval against the AR teacher
+has its lower bound within the budget, or a refusal."""
 
 from __future__ import annotations
 
+import math
+
+import numpy as np
+import pandas as pd
 import pytest
 
+from diffusion_gr2.core.rank.metrics import paired_bootstrap
 from diffusion_gr2.core.rank.operating_point import (
     OperatingPointError,
     choose_operating_point,
+    paired_key,
+    paired_recall,
     refused_operating_point,
     resolve_operating_point,
 )
 
+KEY = paired_key("ar_rl")
 
-def _row(tau: float, window: int | None, recall: float, speed: float, own: float = 0.5) -> dict:
-    return {"tau": tau, "window": window, "recall@1": recall, "tokens_per_s": speed, "unforced_rate": own}
+
+def _row(
+    tau: float, window: int | None, low: float, speed: float, own: float = 0.5, recall: float = 0.2
+) -> dict:
+    """A candidate as the inference node hands it over (the paired fields of `paired_recall`)."""
+    return {
+        "tau": tau,
+        "window": window,
+        "recall@1": recall,
+        "tokens_per_s": speed,
+        "unforced_rate": own,
+        KEY: low + 0.02,
+        f"{KEY}.low": low,
+        f"{KEY}.high": low + 0.04,
+        f"{KEY}.half_width": 0.02,
+        f"{KEY}.n": 1000,
+    }
 
 
 TABLE = [
-    _row(0.9, None, 0.200, 1000.0),
-    _row(0.9, 4, 0.195, 1300.0),
-    _row(0.6, None, 0.192, 1500.0),  # exactly at the floor (0.202 - 0.01)
-    _row(0.4, 4, 0.150, 2400.0),  # fastest, but far below the budget
-    _row(0.6, 4, 0.191, 1900.0),  # just below the floor
+    _row(0.9, None, -0.005, 1000.0),
+    _row(0.9, 4, -0.008, 1300.0),
+    _row(0.6, None, -0.010, 1500.0),  # exactly at the bound (-budget)
+    _row(0.4, 4, -0.060, 2400.0),  # fastest, but its interval reaches far below the budget
+    _row(0.6, 4, -0.011, 1900.0),  # just below the bound
 ]
 
 
-def test_picks_the_fastest_setting_within_the_budget() -> None:
+def test_picks_the_fastest_setting_whose_lower_bound_is_within_the_budget() -> None:
     point = choose_operating_point(TABLE, reference_recall=0.202, budget=0.01)
     assert (point["tau"], point["window"]) == (0.6, None)
     assert point["chosen"] == TABLE[2] and point["candidates"] == TABLE and point["refused"] is None
     assert (point["budget"], point["reference"], point["split"]) == (0.01, "ar_rl", "valid")
+    assert f"{KEY}.low >= -budget" in point["rule"]
     # a looser budget admits the faster settings; ties in speed go to the higher R@1
     assert choose_operating_point(TABLE, 0.202, 0.06)["tau"] == 0.4
-    tied = [_row(0.9, None, 0.18, 900.0), _row(0.6, None, 0.19, 900.0)]
+    tied = [_row(0.9, None, 0.0, 900.0, recall=0.18), _row(0.6, None, 0.0, 900.0, recall=0.19)]
     assert choose_operating_point(tied, 0.19, 0.01)["tau"] == 0.6
 
 
+def test_the_point_estimate_alone_admits_nothing() -> None:
+    """A candidate better than the reference on average but with a wide interval is refused."""
+    wide = _row(0.6, None, -0.05, 2000.0) | {KEY: 0.01, f"{KEY}.high": 0.07, f"{KEY}.half_width": 0.06}
+    with pytest.raises(OperatingPointError, match=r"lower bound >= -0\.010.*best lower bound was -0\.050"):
+        choose_operating_point([wide], 0.2, 0.01)
+
+
 def test_an_own_valid_rate_floor_excludes_settings_the_grammar_carries() -> None:
-    table = [_row(0.9, None, 0.20, 1000.0, own=0.60), _row(0.4, None, 0.21, 2000.0, own=0.06)]
-    assert choose_operating_point(table, 0.20, 0.01)["tau"] == 0.4  # the rule alone
+    table = [_row(0.9, None, 0.0, 1000.0, own=0.60), _row(0.4, None, 0.0, 2000.0, own=0.06)]
+    assert choose_operating_point(table, 0.20, 0.01)["tau"] == 0.4  # the interval alone
     point = choose_operating_point(table, 0.20, 0.01, min_unforced_rate=0.5)
     assert point["tau"] == 0.9 and point["min_unforced_rate"] == 0.5
     with pytest.raises(OperatingPointError, match="own valid rate >= 0.70"):
@@ -46,12 +78,51 @@ def test_an_own_valid_rate_floor_excludes_settings_the_grammar_carries() -> None
 
 
 def test_refuses_when_nothing_meets_the_budget() -> None:
-    with pytest.raises(
-        OperatingPointError, match=r"no \(tau, window\) reaches R@1 0\.290.*best R@1 was 0\.200 at tau 0\.9"
-    ):
-        choose_operating_point(TABLE, reference_recall=0.300, budget=0.01)
+    with pytest.raises(OperatingPointError, match=r"best lower bound was -0\.005 at tau 0\.9, window None"):
+        choose_operating_point(TABLE, reference_recall=0.300, budget=0.001)
     with pytest.raises(OperatingPointError, match="no decoding settings"):
         choose_operating_point([], 0.2, 0.01)
+    unpaired = [{k: v for k, v in TABLE[0].items() if not k.startswith(KEY)}]
+    with pytest.raises(ValueError, match="paired_recall"):
+        choose_operating_point(unpaired, 0.2, 0.01)
+    never = [_row(0.9, None, math.nan, 1000.0)]  # no shared request: NaN bounds never qualify
+    with pytest.raises(OperatingPointError, match="best lower bound was"):
+        choose_operating_point(never, 0.2, 1.0)
+
+
+def _rankings(hits: list[int], users: list[int], points: list[int]) -> pd.DataFrame:
+    """Validation rows whose served ranking has the target first (hit) or second."""
+    return pd.DataFrame(
+        {
+            "split": "valid",
+            "user_id": users,
+            "point": points,
+            "target": 1,
+            "prerank": [[1, 2]] * len(hits),
+            "ranking": [[1, 2] if h else [2, 1] for h in hits],
+            "valid": True,
+        }
+    )
+
+
+def test_paired_recall_is_the_paired_bootstrap_over_users_on_the_shared_requests() -> None:
+    rng = np.random.default_rng(0)
+    users, points = np.repeat(np.arange(60), 3).tolist(), [0, 1, 2] * 60
+    a_hits, b_hits = rng.integers(0, 2, 180).tolist(), rng.integers(0, 2, 180).tolist()
+    mine = _rankings(a_hits, users, points)
+    theirs = _rankings(b_hits, users, points).iloc[::-1]  # another order: paired by request, not row
+    extra = _rankings([1], [99], [0])  # a request the reference never answered: left out
+    fields = paired_recall(pd.concat([mine, extra]), theirs, "ar_rl", n_boot=200, seed=3)
+    expected = paired_bootstrap(a_hits, b_hits, 200, 3, groups=users)
+    assert fields[KEY] == pytest.approx(np.mean(a_hits) - np.mean(b_hits))
+    assert (fields[f"{KEY}.low"], fields[f"{KEY}.high"]) == pytest.approx((expected.low, expected.high))
+    assert fields[f"{KEY}.half_width"] == pytest.approx((expected.high - expected.low) / 2)
+    assert fields[f"{KEY}.n"] == 180
+    # one user's points resampled together: not the interval of 180 independent requests
+    alone = paired_bootstrap(a_hits, b_hits, 200, 3)
+    assert (alone.low, alone.high) != pytest.approx((expected.low, expected.high))
+    nothing = paired_recall(mine, _rankings([1], [99], [0]), "ar_rl", n_boot=10)
+    assert nothing[f"{KEY}.n"] == 0 and math.isnan(nothing[f"{KEY}.low"])
 
 
 def test_resolve_reads_the_choice_and_refuses_clearly() -> None:

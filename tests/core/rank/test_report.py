@@ -139,13 +139,18 @@ def test_operating_point_candidates_are_listed_with_their_timed_speeds() -> None
     candidates = [candidate(0.9, None, 1000.0, 4000.0), candidate(0.6, 4, 1600.0, 4900.0)]
     candidates[1] |= {"speedup_vs_ar_rl": 1.25, "speedup_vs_ar_rl_low": 1.1, "speedup_vs_ar_rl_high": 1.4}
     candidates[1]["statistic"] = "median of 3 interleaved rounds"
+    paired = {"": 0.012, ".low": -0.01, ".high": 0.034, ".half_width": 0.022, ".n": 1267}
+    candidates[1] |= {f"recall@1_vs_ar_rl{k}": v for k, v in paired.items()}
     point = {"tau": 0.6, "window": 4, "budget": 0.01, "chosen": candidates[1], "candidates": candidates}
     text = R.render_markdown(_inputs(operating_point={"rl": point}), {})
-    assert "| system | tau | window | R@1 | own valid | tokens/forward | tokens/s @1 | tokens/s @16 |" in text
-    assert "| rl | 0.9 | — | 0.1500 | 0.6000 | 3.000 | 1000.0 | 4000.0 | 2000.0 | — |  |" in text
     assert (
-        "| rl | 0.6 | 4 | 0.1500 | 0.6000 | 3.000 | 1600.0 | 4900.0 | 2800.0 | 1.2500 [1.100, 1.400] | yes |"
+        "| system | tau | window | R@1 | R@1 - ar_rl [interval] (n) | own valid | tokens/forward | tokens/s @1 |"
         in text
+    )
+    assert "| rl | 0.9 | — | 0.1500 | — | 0.6000 | 3.000 | 1000.0 | 4000.0 | 2000.0 | — |  |" in text
+    assert (
+        "| rl | 0.6 | 4 | 0.1500 | +0.0120 [-0.010, +0.034] (1267) | 0.6000 | 3.000 | 1600.0 | 4900.0 | 2800.0 "
+        "| 1.2500 [1.100, 1.400] | yes |" in text
     )
     assert "geometric mean" in text and "(median of 3 interleaved rounds)" in text
 

@@ -27,6 +27,8 @@ def cyclic_splits(num_users: int, num_items: int, min_len: int, max_len: int, se
                 "train_timestamps": stamps[:-2],
                 "valid_item": seq[-2],
                 "valid_timestamp": stamps[-2],
+                "valid_items": seq[-2:-1],
+                "valid_timestamps": stamps[-2:-1],
                 "test_item": seq[-1],
                 "test_timestamp": stamps[-1],
                 "test_items": seq[-1:],

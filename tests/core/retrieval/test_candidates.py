@@ -39,6 +39,8 @@ def arithmetic_splits(num_users: int = 12) -> pd.DataFrame:
                 "train_timestamps": list(range(len(seq) - 2)),
                 "valid_item": seq[-2],
                 "valid_timestamp": 100,
+                "valid_items": [seq[-2]],
+                "valid_timestamps": [100],
                 "test_item": seq[-1],
                 "test_timestamp": 101,
                 "test_items": seq[-1:],
@@ -127,6 +129,7 @@ def test_retrieved_mode_never_fills_a_list_with_history_items() -> None:
     full = splits.copy()
     full.at[0, "train_items"] = [i for i in range(NUM_ITEMS) if i not in (28, 29)][:-3]  # 3 items left
     full.at[0, "valid_item"], full.at[0, "test_item"], full.at[0, "test_items"] = 28, 29, [29]
+    full.at[0, "valid_items"] = [28]
     result = build_candidates(full, successor_scores(NUM_ITEMS), CandidateConfig(n=N), NUM_ITEMS)
     frame = result.frame
     assert not ((frame["user_id"] == 0) & (frame["split"] != "train")).any()
@@ -168,11 +171,14 @@ def test_gx_suite_passes_good_lists_and_names_each_corruption(tmp_path) -> None:
     assert saved["success"] is False and (tmp_path / "candidates.json").exists()
 
 
-def _walks(num_users: int = 12, length: int = 9, test_points: int = 3) -> pd.DataFrame:
-    """A real preparation of per-user walks over the catalogue, with `test_points` held out per user."""
+def _walks(num_users: int = 12, length: int = 9, test_points: int = 3, valid_points: int = 1) -> pd.DataFrame:
+    """A real preparation of per-user walks over the catalogue, with `test_points` and `valid_points`
+    held out per user."""
     rows = [(u, (u + k) % NUM_ITEMS, 100 * k + u) for u in range(num_users) for k in range(length)]
     frame = pd.DataFrame(rows, columns=["user_id", "item_id", "timestamp"]).assign(rating=float("nan"))
-    return leave_one_out(frame.sort_values(["user_id", "timestamp"], kind="stable"), test_points)
+    return leave_one_out(
+        frame.sort_values(["user_id", "timestamp"], kind="stable"), test_points, valid_points
+    )
 
 
 def _training_data(frame: pd.DataFrame, splits: pd.DataFrame) -> set[tuple[int, int]]:
@@ -198,6 +204,23 @@ def test_several_test_points_per_user_with_everything_before_each() -> None:
     assert (frame.loc[frame["split"] == "valid", "point"] == 0).all()
     held_out = {(int(u), int(t)) for u, t in zip(test["user_id"], test["target"], strict=True)}
     assert len(held_out) == 3 * len(splits) and not held_out & _training_data(frame, splits)
+    validate_candidates(frame, N, NUM_ITEMS)
+
+
+def test_several_validation_points_asked_like_test_points() -> None:
+    splits = _walks(length=10, test_points=3, valid_points=3)
+    config = CandidateConfig(n=N, mode="sampled", train_prefixes=2, history_cap=20, seed=1)
+    frame = build_candidates(splits, None, config, NUM_ITEMS).frame
+    for split, first in (("valid", 4), ("test", 7)):  # 10 interactions: 4 train, 3 validation, 3 test
+        rows = frame[frame["split"] == split]
+        assert rows.groupby("user_id")["point"].apply(list).map(lambda p: p == [0, 1, 2]).all()
+        for row in rows.itertuples(index=False):
+            walk = [(row.user_id + k) % NUM_ITEMS for k in range(10)]
+            assert row.target == walk[first + row.point] and list(row.history) == walk[: first + row.point]
+    held_out = frame[frame["split"] != "train"]
+    targets = {(int(u), int(t)) for u, t in zip(held_out["user_id"], held_out["target"], strict=True)}
+    assert len(targets) == 6 * len(splits) and not targets & _training_data(frame, splits)
+    validate(splits, splits_schema(NUM_ITEMS), "splits")
     validate_candidates(frame, N, NUM_ITEMS)
 
 

@@ -50,6 +50,7 @@ def test_popularity_counts_train_parts_only_and_never_proposes_history() -> None
             "user_id": [0, 1],
             "train_items": [[0, 1], [1, 2]],
             "valid_item": [3, 3],
+            "valid_items": [[3], [3]],
             "test_item": [4, 0],
             "test_items": [[4], [0]],
         }

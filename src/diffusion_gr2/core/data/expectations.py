@@ -202,15 +202,19 @@ def split_check_frame(splits: pd.DataFrame) -> pd.DataFrame:
     """Scalar view of the ``splits`` frame for GX, indexed by ``user_id`` so failing rows name users.
 
     An empty train list gets ``min/max_train_item`` = -1, which the range expectations flag.
-    ``test_item_in_train`` covers every test point of the user, and ``test_points_ordered`` says
-    the points run forward in time from the validation point on.
+    ``valid_item_in_train`` / ``test_item_in_train`` cover every validation / test point of the
+    user; ``valid_points_ordered`` says the validation points run forward in time from the last
+    train interaction on, ``test_points_ordered`` the test points from the last validation point on.
     """
     train = [set(np.asarray(items, dtype=np.int64).tolist()) for items in splits["train_items"]]
     times = [np.asarray(stamps, dtype=np.int64) for stamps in splits["train_timestamps"]]
     points = [np.asarray(items, dtype=np.int64) for items in splits["test_items"]]
     point_times = [np.asarray(stamps, dtype=np.int64) for stamps in splits["test_timestamps"]]
+    valids = [np.asarray(items, dtype=np.int64) for items in splits["valid_items"]]
+    valid_times = [np.asarray(stamps, dtype=np.int64) for stamps in splits["valid_timestamps"]]
     last_time = np.array([t.max() if t.size else -1 for t in times], dtype=np.int64)
     valid_time = splits["valid_timestamp"].to_numpy()
+    last_valid = np.array([t.max() if t.size else np.iinfo(np.int64).max for t in valid_times])
     frame = pd.DataFrame(
         {
             "user_id": splits["user_id"].to_numpy(),
@@ -220,6 +224,17 @@ def split_check_frame(splits: pd.DataFrame) -> pd.DataFrame:
             "n_train_timestamps": [t.size for t in times],
             "min_train_item": [min(t) if t else -1 for t in train],
             "max_train_item": [max(t) if t else -1 for t in train],
+            "n_valid_points": [v.size for v in valids],
+            "n_valid_timestamps": [t.size for t in valid_times],
+            "min_valid_item": [int(v.min()) if v.size else -1 for v in valids],
+            "max_valid_item": [int(v.max()) if v.size else -1 for v in valids],
+            "valid_item_is_first": [
+                v.size > 0 and int(v[0]) == int(t) for v, t in zip(valids, splits["valid_item"], strict=True)
+            ],
+            "valid_points_ordered": [
+                t.size > 0 and t[0] >= last and bool(np.all(np.diff(t) >= 0))
+                for t, last in zip(valid_times, last_time, strict=True)
+            ],
             "n_test_points": [p.size for p in points],
             "n_test_timestamps": [t.size for t in point_times],
             "min_test_item": [int(p.min()) if p.size else -1 for p in points],
@@ -228,12 +243,12 @@ def split_check_frame(splits: pd.DataFrame) -> pd.DataFrame:
                 p.size > 0 and int(p[0]) == int(t) for p, t in zip(points, splits["test_item"], strict=True)
             ],
             "valid_after_train": valid_time >= last_time,
-            "test_after_valid": splits["test_timestamp"].to_numpy() >= valid_time,
+            "test_after_valid": splits["test_timestamp"].to_numpy() >= last_valid,
             "test_points_ordered": [
                 t.size > 0 and t[0] >= v and bool(np.all(np.diff(t) >= 0))
-                for t, v in zip(point_times, valid_time, strict=True)
+                for t, v in zip(point_times, last_valid, strict=True)
             ],
-            "valid_item_in_train": [int(v) in t for v, t in zip(splits["valid_item"], train, strict=True)],
+            "valid_item_in_train": [not t.isdisjoint(v.tolist()) for v, t in zip(valids, train, strict=True)],
             "test_item_in_train": [not t.isdisjoint(p.tolist()) for p, t in zip(points, train, strict=True)],
         }
     )
@@ -242,8 +257,8 @@ def split_check_frame(splits: pd.DataFrame) -> pd.DataFrame:
 
 def split_suite(num_items: int | None = None, allow_repeats: bool = False) -> list[Any]:
     """GX expectations for `split_check_frame` output: one row per user, ids in the catalogue, non-empty
-    chronological train part, at least one test point after the validation point, targets not leaked
-    into the train part (unless ``allow_repeats``)."""
+    chronological train part, at least one validation point after it and one test point after the
+    validation points, targets not leaked into the train part (unless ``allow_repeats``)."""
     import great_expectations.expectations as gxe
 
     top = None if num_items is None else num_items - 1
@@ -254,6 +269,8 @@ def split_suite(num_items: int | None = None, allow_repeats: bool = False) -> li
         "max_train_item",
         "min_test_item",
         "max_test_item",
+        "min_valid_item",
+        "max_valid_item",
     )
     suite: list[Any] = [
         gxe.ExpectTableRowCountToBeBetween(min_value=1),
@@ -263,6 +280,10 @@ def split_suite(num_items: int | None = None, allow_repeats: bool = False) -> li
         *(gxe.ExpectColumnValuesToBeBetween(column=c, min_value=0, max_value=top) for c in item_columns),
         gxe.ExpectColumnValuesToBeBetween(column="n_train", min_value=1),
         gxe.ExpectColumnPairValuesToBeEqual(column_A="n_train", column_B="n_train_timestamps"),
+        gxe.ExpectColumnValuesToBeBetween(column="n_valid_points", min_value=1),
+        gxe.ExpectColumnPairValuesToBeEqual(column_A="n_valid_points", column_B="n_valid_timestamps"),
+        gxe.ExpectColumnValuesToBeInSet(column="valid_item_is_first", value_set=[True]),
+        gxe.ExpectColumnValuesToBeInSet(column="valid_points_ordered", value_set=[True]),
         gxe.ExpectColumnValuesToBeBetween(column="n_test_points", min_value=1),
         gxe.ExpectColumnPairValuesToBeEqual(column_A="n_test_points", column_B="n_test_timestamps"),
         gxe.ExpectColumnValuesToBeInSet(column="test_item_is_first", value_set=[True]),

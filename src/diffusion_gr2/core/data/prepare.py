@@ -2,9 +2,9 @@
 
 Order of operations: optional rating filter (off by default) → stable chronological sort (ties keep
 file order) → drop repeated (user, item) pairs keeping the earliest → iterative k-core on users and
-items → remap ids (items with a seeded shuffle) → hold-out split (the last `test_points` interactions of
-each user are test requests, the one before them validation, the rest train) → schema validation →
-statistics.
+items → remap ids (items with a seeded shuffle) → hold-out split (the last `test_points` interactions
+of each user are test requests, the `valid_points` before them validation, the rest train) → schema
+validation → statistics.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ __all__ = [
     "prepare",
     "remap_items",
     "points_per_user",
+    "valid_points_per_user",
 ]
 
 MIN_USER_INTERACTIONS = 3  # leave-one-out needs one train, one validation and one test interaction
@@ -47,10 +48,12 @@ class PrepConfig:
     max_reject_share: float | None = 0.05  # per raw file; above it preparation stops (None: never)
     min_rating: float | None = None  # keep only ratings >= this; None = no rating filter (DESIGN §3)
     test_points: int = 1  # last interactions of each user held out as test requests (1 = leave-one-out)
+    valid_points: int = 1  # interactions before the test points held out as validation requests
 
     def __post_init__(self) -> None:
-        if self.test_points < 1:
-            raise ValueError(f"data_prep.test_points must be >= 1, got {self.test_points}")
+        for name in ("test_points", "valid_points"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"data_prep.{name} must be >= 1, got {getattr(self, name)}")
 
     @classmethod
     def from_params(cls, params: Mapping[str, Any]) -> PrepConfig:
@@ -194,14 +197,29 @@ def points_per_user(lengths: np.ndarray, test_points: int) -> np.ndarray:
     return np.minimum(int(test_points), np.asarray(lengths, dtype=np.int64) - 2)
 
 
-def leave_one_out(interactions: pd.DataFrame, test_points: int = 1) -> pd.DataFrame:
-    """The ``splits`` frame: per user, the last p = `points_per_user` interactions are test points,
-    the one before them validation, the rest train.
+def valid_points_per_user(lengths: np.ndarray, test_points: int, valid_points: int) -> np.ndarray:
+    """[u] interactions per user -> [u] validation points per user: min(valid_points, n - t - 1),
+    t = `points_per_user`.
 
-    ``test_items``/``test_timestamps`` hold the p test points in time order; each is asked with the
-    history a server would have had (everything before it), so point k's history holds points 0..k-1,
-    which no model trains on. ``test_item``/``test_timestamp`` are point 0, the one whose history is
-    train + validation: with ``test_points=1`` this is leave-one-out, column for column.
+    Test points are taken first, so the reported split does not depend on `valid_points`; validation
+    takes what is left but one, so every user keeps at least one train interaction (and, since
+    t <= n - 2, at least one validation point). Users short of `valid_points` are counted in
+    `data_stats`.
+    """
+    n = np.asarray(lengths, dtype=np.int64)
+    return np.minimum(int(valid_points), n - points_per_user(n, test_points) - 1)
+
+
+def leave_one_out(interactions: pd.DataFrame, test_points: int = 1, valid_points: int = 1) -> pd.DataFrame:
+    """The ``splits`` frame: per user, the last t = `points_per_user` interactions are test points,
+    the v = `valid_points_per_user` before them validation points, the rest train.
+
+    ``test_items``/``test_timestamps`` hold the t test points in time order, ``valid_items``/
+    ``valid_timestamps`` the v validation points. Each point is asked with the history a server would
+    have had (everything before it): validation point k's history is the train part + validation
+    points 0..k-1, test point k's the train part + every validation point + test points 0..k-1; no
+    model trains on a held-out point. ``valid_item``/``test_item`` (and their timestamps) are point 0
+    of each: with ``test_points=1, valid_points=1`` this is leave-one-out, column for column.
     ``interactions`` must be sorted by user then time with >= 3 rows per user.
     """
     users = interactions["user_id"].to_numpy()
@@ -209,40 +227,50 @@ def leave_one_out(interactions: pd.DataFrame, test_points: int = 1) -> pd.DataFr
     times = interactions["timestamp"].to_numpy()
     starts = np.flatnonzero(np.r_[True, users[1:] != users[:-1]]) if len(users) else np.array([], int)
     ends = np.r_[starts[1:], len(users)].astype(int)
-    firsts = ends - points_per_user(ends - starts, test_points)  # [u] index of each user's point 0
-    spans = list(zip(starts, firsts, ends, strict=True))
+    lengths = ends - starts
+    firsts = ends - points_per_user(lengths, test_points)  # [u] index of each user's test point 0
+    valids = firsts - valid_points_per_user(lengths, test_points, valid_points)  # [u] validation point 0
+    spans = list(zip(starts, valids, firsts, ends, strict=True))
     return pd.DataFrame(
         {
             "user_id": users[starts].astype(np.int64),
-            "train_items": [items[s : f - 1].tolist() for s, f, _ in spans],
-            "train_timestamps": [times[s : f - 1].tolist() for s, f, _ in spans],
-            "valid_item": items[firsts - 1].astype(np.int64),
-            "valid_timestamp": times[firsts - 1].astype(np.int64),
+            "train_items": [items[s:v].tolist() for s, v, _, _ in spans],
+            "train_timestamps": [times[s:v].tolist() for s, v, _, _ in spans],
+            "valid_item": items[valids].astype(np.int64),
+            "valid_timestamp": times[valids].astype(np.int64),
+            "valid_items": [items[v:f].tolist() for _, v, f, _ in spans],
+            "valid_timestamps": [times[v:f].tolist() for _, v, f, _ in spans],
             "test_item": items[firsts].astype(np.int64),
             "test_timestamp": times[firsts].astype(np.int64),
-            "test_items": [items[f:e].tolist() for _, f, e in spans],
-            "test_timestamps": [times[f:e].tolist() for _, f, e in spans],
+            "test_items": [items[f:e].tolist() for _, _, f, e in spans],
+            "test_timestamps": [times[f:e].tolist() for _, _, f, e in spans],
         }
     )
 
 
 def data_stats(
-    raw: RawDataset, interactions: pd.DataFrame, num_items: int, test_points: int = 1
+    raw: RawDataset, interactions: pd.DataFrame, num_items: int, test_points: int = 1, valid_points: int = 1
 ) -> dict[str, Any]:
-    """``data_stats.json``: the keys of DESIGN §10 as plain Python numbers, plus ``test_points``
-    (points asked per user, and how many users had too few interactions to give them all)."""
+    """``data_stats.json``: the keys of DESIGN §10 as plain Python numbers, plus ``test_points`` and
+    ``valid_points`` (points asked per user, and how many users had too few interactions to give
+    them all); ``splits`` counts interactions, so validation and test count held-out points."""
     lengths = interactions.groupby("user_id").size()
     n_users, n_rows = int(lengths.size), len(interactions)
     points = points_per_user(lengths.to_numpy(), test_points)
-    n_test = int(points.sum())
+    valids = valid_points_per_user(lengths.to_numpy(), test_points, valid_points)
+    n_test, n_valid = int(points.sum()), int(valids.sum())
     return {
         "users": n_users,
         "items": int(num_items),
         "interactions": int(n_rows),
         "mean_history": round(float(lengths.mean()), 4) if n_users else 0.0,
         "median_history": float(lengths.median()) if n_users else 0.0,
-        "splits": {"train": n_rows - n_users - n_test, "valid": n_users, "test": n_test},
+        "splits": {"train": n_rows - n_valid - n_test, "valid": n_valid, "test": n_test},
         "test_points": {"per_user": int(test_points), "users_with_fewer": int((points < test_points).sum())},
+        "valid_points": {
+            "per_user": int(valid_points),
+            "users_with_fewer": int((valids < valid_points).sum()),
+        },
         "rows_read": int(raw.rows_read),
         "rows_rejected": len(raw.rejects),
         "rejected_by_reason": raw.rejected_by_reason(),
@@ -251,7 +279,7 @@ def data_stats(
 
 def prepare(raw: RawDataset, config: PrepConfig | None = None) -> PreparedData:
     """Optional rating filter, dedup, iterative k-core, chronological sort, seeded remap, hold-out
-    split (`test_points`), schema validation; see the module docstring for the order."""
+    split (`test_points`, `valid_points`), schema validation; see the module docstring for the order."""
     config = config or PrepConfig()
     check_reject_share(raw, config.max_reject_share)
     if raw.interactions.empty:
@@ -269,8 +297,8 @@ def prepare(raw: RawDataset, config: PrepConfig | None = None) -> PreparedData:
     num_items = len(item_map)
     interactions = validate(interactions, interactions_schema(num_items, config.dedup), "interactions")
     items = validate(catalogue(raw, item_map), items_schema(num_items), "items")
-    splits = leave_one_out(interactions, config.test_points)
+    splits = leave_one_out(interactions, config.test_points, config.valid_points)
     splits = validate(splits, splits_schema(num_items, not config.dedup), "splits")
-    stats = data_stats(raw, interactions, num_items, config.test_points)
+    stats = data_stats(raw, interactions, num_items, config.test_points, config.valid_points)
     logger.info("prepared %s: %s", raw.source, stats)
     return PreparedData(interactions=interactions, items=items, splits=splits, stats=stats)

@@ -128,9 +128,10 @@ def items_schema(num_items: int | None = None) -> pa.DataFrameSchema:
 def _split_frame_checks(allow_repeats: bool) -> list[pa.Check]:
     """Cross-column rules of a hold-out split (chronology and no target leakage).
 
-    Every test point is asked after the validation point (hence after every train interaction), the
-    scalar ``test_item``/``test_timestamp`` are point 0, and with dedup no test point is a train or
-    validation item of its user, nor another test point of theirs.
+    Validation points come after every train interaction and every test point after the last
+    validation point; the scalar ``valid_item``/``test_item`` (and timestamps) are point 0 of their
+    lists; with dedup no held-out point is a train item of its user, no validation point a test
+    point, and no point repeats within its list.
     """
 
     def row_rule(rule: Any, *columns: str) -> Any:
@@ -148,6 +149,10 @@ def _split_frame_checks(allow_repeats: bool) -> list[pa.Check]:
         last = df["train_timestamps"].map(lambda ts: max(ts) if len(ts) else -1)
         return df["valid_timestamp"] >= last
 
+    def test_after_valid(df: pd.DataFrame) -> pd.Series:
+        last = df["valid_timestamps"].map(lambda ts: max(ts) if _length(ts) > 0 else np.iinfo(np.int64).max)
+        return df["test_timestamp"] >= last
+
     def not_in_train(points: Any, train: Any) -> bool:
         held_out = set(map(int, [points] if np.isscalar(points) else points))
         return held_out.isdisjoint(map(int, train))
@@ -157,25 +162,34 @@ def _split_frame_checks(allow_repeats: bool) -> list[pa.Check]:
                  name="train_lengths_match"),
         pa.Check(row_rule(lambda a, b: _length(a) == _length(b), "test_items", "test_timestamps"),
                  name="test_lengths_match"),
+        pa.Check(row_rule(lambda a, b: _length(a) == _length(b), "valid_items", "valid_timestamps"),
+                 name="valid_lengths_match"),
         pa.Check(valid_after_train, name="valid_not_before_train"),
-        pa.Check(lambda df: df["test_timestamp"] >= df["valid_timestamp"], name="test_not_before_valid"),
+        pa.Check(test_after_valid, name="test_not_before_valid"),
         pa.Check(first_is("test_item", "test_items"), name="test_item_is_first_test_point"),
         pa.Check(first_is("test_timestamp", "test_timestamps"), name="test_timestamp_is_first_test_point"),
+        pa.Check(first_is("valid_item", "valid_items"), name="valid_item_is_first_valid_point"),
+        pa.Check(first_is("valid_timestamp", "valid_timestamps"), name="valid_timestamp_is_first_valid_point"),
     ]  # fmt: skip
     if not allow_repeats:
-        distinct = row_rule(lambda seq: len(set(map(int, seq))) == len(seq), "test_items")
+
+        def distinct(column: str) -> Any:
+            return row_rule(lambda seq: len(set(map(int, seq))) == len(seq), column)
+
         checks += [
             pa.Check(row_rule(not_in_train, "test_items", "train_items"), name="test_item_not_in_train"),
-            pa.Check(row_rule(not_in_train, "valid_item", "train_items"), name="valid_item_not_in_train"),
-            pa.Check(row_rule(not_in_train, "valid_item", "test_items"), name="valid_item_not_test_item"),
-            pa.Check(distinct, name="test_points_distinct"),
+            pa.Check(row_rule(not_in_train, "valid_items", "train_items"), name="valid_item_not_in_train"),
+            pa.Check(row_rule(not_in_train, "valid_items", "test_items"), name="valid_item_not_test_item"),
+            pa.Check(distinct("test_items"), name="test_points_distinct"),
+            pa.Check(distinct("valid_items"), name="valid_points_distinct"),
         ]
     return checks
 
 
 def splits_schema(num_items: int | None = None, allow_repeats: bool = False) -> pa.DataFrameSchema:
-    """One row per user: non-empty chronological train part, then the validation item, then the test
-    points in time order (``test_items``; ``test_item`` is the first of them).
+    """One row per user: non-empty chronological train part, then the validation points, then the
+    test points, each in time order (``valid_items``, ``test_items``; ``valid_item``, ``test_item``
+    are the first of them).
 
     ``allow_repeats`` lifts the "target not in the user's train items" rules for data prepared
     without dedup, where re-consumption is legitimate.
@@ -194,6 +208,17 @@ def splits_schema(num_items: int | None = None, allow_repeats: bool = False) -> 
             ),
             "valid_item": _id_column(num_items),
             "valid_timestamp": _timestamp_column(),
+            "valid_items": pa.Column(
+                object,
+                pa.Check(
+                    lambda v: _int_list_in_range(v, num_items, True),
+                    element_wise=True,
+                    name="valid_points_list",
+                ),
+            ),
+            "valid_timestamps": pa.Column(
+                object, pa.Check(_non_decreasing, element_wise=True, name="valid_timestamps_non_decreasing")
+            ),
             "test_item": _id_column(num_items),
             "test_timestamp": _timestamp_column(),
             "test_items": pa.Column(

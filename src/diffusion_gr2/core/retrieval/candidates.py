@@ -1,9 +1,9 @@
 """Candidate lists for the re-ranker: the `candidates` frame of docs/architecture.md.
 
 Rows: `train` from the last `train_prefixes` prefixes of each user's training part (target = the next
-training item), `valid` predicts the validation item from the training part, `test` predicts each test
-point from everything before it (`evaluation.heldout_points`). `point` tells a user's rows of one split
-apart: the test point (0 = earliest), 0 for validation, the prefix length for train rows; with
+training item); `valid` and `test` predict each validation and test point from everything before it
+(`evaluation.heldout_points`). `point` tells a user's rows of one split apart: the held-out point (0 =
+earliest), the prefix length for train rows; with
 (`split`, `user_id`) it is the request's key, on which systems are paired. Two modes (DESIGN §4):
 
 * `retrieved`: the retriever's top-N with history masked, in retriever order (the pre-rank); a row is
@@ -52,17 +52,14 @@ def candidate_requests(splits: pd.DataFrame, train_prefixes: int) -> pd.DataFram
     """One row per (split, user, point) to build a list for: `user_id, split, point, history (uncapped),
     target`, by split, then user, then point."""
     rows: list[tuple[int, str, int, list[int], int]] = []
-    for user, train, valid in zip(
-        splits["user_id"], splits["train_items"], splits["valid_item"], strict=True
-    ):
+    for user, train in zip(splits["user_id"], splits["train_items"], strict=True):
         train = [int(x) for x in train]
         # Prefixes need a non-empty history, so the first training item is never a target.
         for j in range(max(1, len(train) - train_prefixes), len(train)):
             rows.append((int(user), "train", j, train[:j], train[j]))
-        rows.append((int(user), "valid", 0, train, int(valid)))
-    test = heldout_points(splits).assign(split="test")
+    held_out = [heldout_points(splits, split).assign(split=split) for split in ("valid", "test")]
     frame = pd.concat(
-        [pd.DataFrame(rows, columns=["user_id", "split", "point", "history", "target"]), test],
+        [pd.DataFrame(rows, columns=["user_id", "split", "point", "history", "target"]), *held_out],
         ignore_index=True,
     )
     order = frame["split"].map({s: k for k, s in enumerate(SPLITS)})

@@ -7,6 +7,7 @@ user's history items are -inf, so no retriever can ever propose an item the user
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Literal
 
 import numpy as np
 import pandas as pd
@@ -17,26 +18,31 @@ ScoreFn = Callable[[Sequence[Sequence[int]]], np.ndarray]  # histories -> [u, i]
 
 
 def histories_before_valid(splits: pd.DataFrame) -> list[list[int]]:
-    """Per user, the training part (chronological): the history that predicts the validation item."""
+    """Per user, the training part (chronological): the history that predicts validation point 0."""
     return [[int(x) for x in items] for items in splits["train_items"]]
 
 
 def histories_before_test(splits: pd.DataFrame) -> list[list[int]]:
-    """Per user, train part + validation item: the history that predicts test point 0 (`test_item`)."""
-    return [h + [int(v)] for h, v in zip(histories_before_valid(splits), splits["valid_item"], strict=True)]
+    """Per user, train part + every validation point: the history that predicts test point 0."""
+    return [
+        h + [int(v) for v in valid]
+        for h, valid in zip(histories_before_valid(splits), splits["valid_items"], strict=True)
+    ]
 
 
-def heldout_points(splits: pd.DataFrame) -> pd.DataFrame:
-    """Every test point: `user_id, point, history, target`, by user then point (0 = earliest).
+def heldout_points(splits: pd.DataFrame, split: Literal["valid", "test"] = "test") -> pd.DataFrame:
+    """Every held-out point of `split`: `user_id, point, history, target`, by user then point (0 =
+    earliest).
 
-    Point k's history is everything the user did before it: train part, validation item and test
-    points 0..k-1 -- what a server would have seen, none of it trained on.
+    Point k's history is everything the user did before it: the train part and points 0..k-1 (for a
+    test point also every validation point) -- what a server would have seen, none of it trained on.
     """
+    if split not in ("valid", "test"):
+        raise ValueError(f"split must be 'valid' or 'test', got {split!r}")
+    befores = histories_before_valid(splits) if split == "valid" else histories_before_test(splits)
     rows = [
         (int(user), k, [*before, *map(int, points[:k])], int(points[k]))
-        for user, before, points in zip(
-            splits["user_id"], histories_before_test(splits), splits["test_items"], strict=True
-        )
+        for user, before, points in zip(splits["user_id"], befores, splits[f"{split}_items"], strict=True)
         for k in range(len(points))
     ]
     return pd.DataFrame(rows, columns=["user_id", "point", "history", "target"])

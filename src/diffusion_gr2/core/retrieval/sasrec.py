@@ -121,7 +121,7 @@ class TrainedRetriever:
 
     model: SASRec
     best_epoch: int
-    valid_recall: float  # Recall@k on the validation items at best_epoch
+    valid_recall: float  # Recall@k on validation point 0 (`valid_item`) at best_epoch
     curve: list[dict] = field(default_factory=list)  # per epoch: epoch, loss, valid recall@k
     seconds: float = 0.0
 
@@ -205,7 +205,12 @@ def _run_epoch(
 
 
 def train_retriever(splits: pd.DataFrame, num_items: int, config: RetrieverConfig) -> TrainedRetriever:
-    """Train SASRec on the training parts; early-stop on Recall@k of the validation item.
+    """Train SASRec on the training parts; early-stop on Recall@k of validation point 0 (`valid_item`,
+    history = the train part, one target per user).
+
+    Point 0 only: scoring every validation point (7 per user by default) took 2.8x as long each
+    epoch (4.9 s against 1.7 s on two loaded cores), and the best epoch was among the last of the 20
+    either way (17 on point 0, 19 on every point, ml-100k).
 
     Deterministic under `config.seed` (the global torch RNG is forked, so the caller's state is untouched).
     """

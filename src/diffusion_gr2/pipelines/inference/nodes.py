@@ -1,7 +1,9 @@
 """inference nodes: every system re-ranks the validation and test requests (DESIGN §8, §10).
 
 Diffusion systems decode validation once per candidate (tau, window) and take the fastest whose
-R@1 as served is within the budget of `ar_rl` on the same requests as their operating point. "Fastest"
+paired R@1 interval against `ar_rl` on the same requests has its lower bound within the budget
+(`operating_point.paired_recall`) as their operating point; the choosing systems and `ar_rl` decode
+every validation request, the others (which choose nothing) the first `sweep_max_requests`. "Fastest"
 is timed apart from those passes (`operating_point.timing`): every candidate on the same first
 validation prompts, at each timing batch size, in interleaved rounds, ranked by the geometric mean of
 its output tokens/s over the batch sizes (one cold pass per setting at batch 16 picked a different
@@ -26,6 +28,8 @@ from diffusion_gr2.core.rank.metrics import user_values
 from diffusion_gr2.core.rank.operating_point import (
     OperatingPointError,
     choose_operating_point,
+    paired_key,
+    paired_recall,
     refused_operating_point,
 )
 from diffusion_gr2.core.rank.rerank import (
@@ -46,6 +50,16 @@ Setting = tuple[float | None, int | None]
 
 def _split_requests(requests: pd.DataFrame, params: dict[str, Any], split: str) -> pd.DataFrame:
     return select_requests(requests, split, params["max_requests"])
+
+
+def _valid_cap(system: str, params: dict[str, Any], chooses: bool) -> int | None:
+    """Validation requests `system` decodes: all for a system that chooses its operating point there
+    and for the reference (`ar_rl`), the pair whose interval decides; the first `sweep_max_requests`
+    (in `select_requests` order, so they pair with the full passes) for the rest, which choose nothing.
+    """
+    if chooses or system == params["operating_point"]["reference"]:
+        return None
+    return params.get("sweep_max_requests")
 
 
 def _test_passes(
@@ -112,6 +126,8 @@ def make_rerank_node(system: str) -> Callable[..., pd.DataFrame | dict[str, Any]
         frames, point = [], None
         if "valid" in params["splits"]:
             valid = _split_requests(requests, params, "valid")
+            cap = _valid_cap(system, params, chooses)
+            valid = valid if cap is None else valid.head(int(cap))
             settings = operating_point_settings(params) if chooses else _sweep(params, system)
             rows, speeds = rerank_system(model, valid, tokenizer, system, settings, config, "valid")
             frames.append(rows)
@@ -121,7 +137,7 @@ def make_rerank_node(system: str) -> Callable[..., pd.DataFrame | dict[str, Any]
                     speeds = _timed_speeds(
                         speeds, model, system, valid, tokenizer, config, timing, reference_model
                     )
-                point = _operating_point(system, speeds, reference, params["operating_point"])
+                point = _operating_point(system, speeds, rows, reference, params["operating_point"])
         if "test" in params["splits"]:
             test = _split_requests(requests, params, "test")
             for settings, cap in _test_passes(system, params, point):
@@ -177,16 +193,37 @@ def _timed_speeds(
     ]
 
 
+def _pass_rows(rows: pd.DataFrame, tau: float, window: int | None) -> pd.DataFrame:
+    """The rows of one (tau, window) pass of a system's frame (window NaN = the whole block)."""
+    same_window = rows["window"].isna() if window is None else rows["window"] == window
+    return rows[(rows["tau"] == tau) & same_window]
+
+
 def _operating_point(
-    system: str, speeds: list[dict[str, Any]], reference: pd.DataFrame | None, params: dict[str, Any]
+    system: str,
+    speeds: list[dict[str, Any]],
+    rows: pd.DataFrame,
+    reference: pd.DataFrame | None,
+    params: dict[str, Any],
 ) -> dict[str, Any]:
-    """Choose `system`'s (tau, window) on validation against the reference's R@1 there, or say why not."""
+    """Choose `system`'s (tau, window) on validation from each candidate's paired R@1 interval
+    against the reference (`rows`: the candidates' validation rows), or say why not."""
     budget, name = float(params["budget"]), params["reference"]
     ref_rows = None if reference is None else reference[reference["split"] == "valid"]
     if ref_rows is None or ref_rows.empty:
         reason = f"no validation rankings of the reference {name!r} to compare with"
         logger.warning("%s: %s", system, reason)
         return refused_operating_point(speeds, float("nan"), budget, reason, name)
+    n_boot, key = int(params.get("n_boot", 1000)), paired_key(name)
+    speeds = [
+        s | paired_recall(_pass_rows(rows, s["tau"], s["window"]), ref_rows, name, n_boot) for s in speeds
+    ]
+    for s in speeds:
+        logger.info(
+            "%s tau %s, window %s (validation, n %d): R@1 - %s %+.3f [%+.3f, %+.3f], own valid %.2f",
+            system, s["tau"], s["window"], s[f"{key}.n"], name, s[key], s[f"{key}.low"], s[f"{key}.high"],
+            s.get("unforced_rate", float("nan")),
+        )  # fmt: skip
     ref_recall = _recall(ref_rows)
     try:
         point = choose_operating_point(speeds, ref_recall, budget, name, params.get("min_unforced_rate"))
