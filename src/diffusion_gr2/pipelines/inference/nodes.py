@@ -45,7 +45,7 @@ from diffusion_gr2.core.rank.rerank import (
 from diffusion_gr2.core.tracking.mlflow_utils import as_metrics_history
 
 logger = logging.getLogger(__name__)
-Setting = tuple[float | None, int | None]
+TauWindow = tuple[float | None, int | None]  # a decoding setting: (tau, window); AR: (None, None)
 
 
 def _split_requests(requests: pd.DataFrame, params: dict[str, Any], split: str) -> pd.DataFrame:
@@ -63,8 +63,8 @@ def _valid_cap(system: str, params: dict[str, Any], chooses: bool) -> int | None
 
 
 def _test_passes(
-    system: str, params: dict[str, Any], point: dict[str, Any] | None
-) -> list[tuple[list[Setting], int | None]]:
+    system: str, params: dict[str, Any], operating_point: dict[str, Any] | None
+) -> list[tuple[list[TauWindow], int | None]]:
     """(settings, request cap) of each test pass of `system`, in report order.
 
     The tau sweep is capped at `sweep_max_requests` (the first requests in `select_requests` order, so
@@ -75,7 +75,11 @@ def _test_passes(
     if system in AR_SYSTEMS:
         reference = params["operating_point"]["reference"]
         return [([(None, None)], None if system == reference else params.get("sweep_max_requests"))]
-    served = [] if point is None or point["tau"] is None else [(point["tau"], point["window"])]
+    served = (
+        []
+        if operating_point is None or operating_point["tau"] is None
+        else [(operating_point["tau"], operating_point["window"])]
+    )
     sweep = [s for s in _sweep(params, system) if s not in served]
     passes = [(sweep, params.get("sweep_max_requests")), (served, None)]
     return [(settings, cap) for settings, cap in passes if settings]
@@ -87,16 +91,16 @@ def rerank_prerank(requests: pd.DataFrame, params: dict[str, Any]) -> pd.DataFra
     return pd.concat(frames, ignore_index=True)
 
 
-def _sweep(params: dict[str, Any], system: str) -> list[Setting]:
+def _sweep(params: dict[str, Any], system: str) -> list[TauWindow]:
     """The tau sweep (whole-block canvas) of `system`: `taus`, unless `taus_by_system` narrows it."""
     taus = (params.get("taus_by_system") or {}).get(system, params["taus"])
     return [(float(t), None) for t in taus]
 
 
-def operating_point_settings(params: dict[str, Any]) -> list[Setting]:
+def operating_point_settings(params: dict[str, Any]) -> list[TauWindow]:
     """The (tau, window) candidates of the operating point (`inference.operating_point`)."""
-    point = params["operating_point"]
-    return [(float(t), None if w is None else int(w)) for t in point["taus"] for w in point["windows"]]
+    section = params["operating_point"]
+    return [(float(t), None if w is None else int(w)) for t in section["taus"] for w in section["windows"]]
 
 
 def _recall(rows: pd.DataFrame) -> float:
@@ -123,7 +127,7 @@ def make_rerank_node(system: str) -> Callable[..., pd.DataFrame | dict[str, Any]
         config = RerankConfig(**params["decoding"])
         model = prepare_model(model, config.device)
         chooses = system in params["operating_point"]["systems"] and system not in AR_SYSTEMS
-        frames, point = [], None
+        frames, operating_point = [], None
         if "valid" in params["splits"]:
             valid = _split_requests(requests, params, "valid")
             cap = _valid_cap(system, params, chooses)
@@ -137,14 +141,16 @@ def make_rerank_node(system: str) -> Callable[..., pd.DataFrame | dict[str, Any]
                     speeds = _timed_speeds(
                         speeds, model, system, valid, tokenizer, config, timing, reference_model
                     )
-                point = _operating_point(system, speeds, rows, reference, params["operating_point"])
+                operating_point = _operating_point(system, speeds, rows, reference, params["operating_point"])
         if "test" in params["splits"]:
             test = _split_requests(requests, params, "test")
-            for settings, cap in _test_passes(system, params, point):
+            for settings, cap in _test_passes(system, params, operating_point):
                 rows = test if cap is None else test.head(int(cap))
                 frames.append(rerank_system(model, rows, tokenizer, system, settings, config, "test")[0])
         rankings = pd.concat(frames, ignore_index=True)
-        return rankings if system in AR_SYSTEMS else {"rankings": rankings, "operating_point": point}
+        return (
+            rankings if system in AR_SYSTEMS else {"rankings": rankings, "operating_point": operating_point}
+        )
 
     rerank_model.__name__ = rerank_model.__qualname__ = f"rerank_{system}"
     rerank_model.__doc__ = f"Re-rank the validation and test requests with `{system}`."
@@ -226,31 +232,33 @@ def _operating_point(
         )  # fmt: skip
     ref_recall = _recall(ref_rows)
     try:
-        point = choose_operating_point(speeds, ref_recall, budget, name, params.get("min_unforced_rate"))
+        operating_point = choose_operating_point(
+            speeds, ref_recall, budget, name, params.get("min_unforced_rate")
+        )
     except OperatingPointError as err:
         logger.warning("%s has no operating point: %s", system, err)
         return refused_operating_point(speeds, ref_recall, budget, str(err), name)
     logger.info(
         "%s operating point (validation): tau %s, window %s -- R@1 %.3f vs %s %.3f, %.0f tokens/s",
         system,
-        point["tau"],
-        point["window"],
-        point["chosen"]["recall@1"],
+        operating_point["tau"],
+        operating_point["window"],
+        operating_point["chosen"]["recall@1"],
         name,
         ref_recall,
-        point["chosen"]["tokens_per_s"],
+        operating_point["chosen"]["tokens_per_s"],
     )
-    return point
+    return operating_point
 
 
 def combine_rankings(*results: pd.DataFrame | dict[str, Any]) -> dict[str, Any]:
     """All systems' rows in one frame, the operating points, and per-variant decoding figures for MLflow."""
-    frames, points = [], {}
+    frames, operating_points = [], {}
     for result in results:
         if isinstance(result, dict):
             frame = result["rankings"]
             if result["operating_point"] is not None:
-                points[str(frame["system"].iloc[0])] = result["operating_point"]
+                operating_points[str(frame["system"].iloc[0])] = result["operating_point"]
         else:
             frame = result
         frames.append(frame)
@@ -260,6 +268,6 @@ def combine_rankings(*results: pd.DataFrame | dict[str, Any]) -> dict[str, Any]:
     )
     return {
         "rankings": rankings,
-        "operating_point": points,
+        "operating_point": operating_points,
         "inference_metrics": as_metrics_history(rankings_summary(rankings)),
     }
