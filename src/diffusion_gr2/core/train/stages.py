@@ -391,8 +391,9 @@ def rollout_metrics(rollouts: Rollouts) -> dict[str, float]:
         "reward_mean": float(rollouts.rewards.mean()),
         "reward_std": float(rollouts.rewards.std(dim=1).mean()),
         "valid_rate": float(rollouts.valid.float().mean()),
-        # valid with no grammar correction: the policy's own valid rate (= valid_rate when unconstrained)
-        "unforced_rate": float(
+        # sampled rollouts valid with no grammar correction (= valid_rate for unconstrained rollouts,
+        # the default); not `unforced_rate`, which is greedy decoding without the grammar (inference)
+        "uncorrected_rate": float(
             np.mean([v and o.forced == 0 for v, o in zip(valid, rollouts.outputs, strict=True)])
         ),
         "tokens_per_forward": tokens / max(nfe, 1),
