@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,6 +26,7 @@ from diffusion_gr2.core.rank.rerank import (
     metrics_markdown,
     prerank_rows,
     ranking_rows,
+    request_grammars,
     rerank,
     rerank_system,
     select_requests,
@@ -120,6 +122,24 @@ def test_decode_config_for_reads_model_and_tokenizer(world) -> None:
     assert decode_config_for(diffusion, tokenizer, 0.6, paper_rule).commit_rule == "confident"
     with pytest.raises(ValueError, match="block_size"):
         decode_config_for(tiny_model_for(tokenizer), tokenizer, 0.9, RerankConfig())
+
+
+def test_drafts_reach_ar_systems_only_and_change_no_ranking(world) -> None:
+    """`RerankConfig.draft` turns prompt lookup on for AR systems (off by default); diffusion systems
+    decode without drafts whatever it says; the rankings are the same, with fewer forwards."""
+    tokenizer, requests = world
+    ar, diffusion = tiny_model_for(tokenizer), tiny_model_for(tokenizer, block_size=4)
+    drafted = RerankConfig(max_new_tokens=96, draft="prompt", draft_tokens=5)
+    cfg = decode_config_for(ar, tokenizer, None, drafted)
+    assert (cfg.draft, cfg.draft_tokens) == ("prompt", 5)
+    assert decode_config_for(ar, tokenizer, None, RerankConfig()).draft is None  # served default: off
+    assert decode_config_for(diffusion, tokenizer, 0.6, drafted).draft is None
+    grammars = request_grammars(tokenizer, requests)
+    plain = rerank(ar, requests, tokenizer, dataclasses.replace(cfg, draft=None), "ar_rl", None, grammars)
+    rows = rerank(ar, requests, tokenizer, cfg, "ar_rl", None, grammars)
+    same = [c for c in RANKING_COLUMNS if c != "nfe"]
+    pd.testing.assert_frame_equal(rows[same], plain[same])
+    assert rows["nfe"].sum() <= plain["nfe"].sum()
 
 
 def test_ranking_rows_map_valid_sids_to_items_and_fall_back_otherwise(world) -> None:

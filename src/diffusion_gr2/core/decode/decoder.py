@@ -62,13 +62,30 @@ the last candidate, the end token), that token is written without the model's sa
   its commit and no run was ended", not "token for token the unconstrained decode"; without
   jump-forward (and always for AR) it means the latter.
 
-Batching: prompts are left-padded (with matching position ids and masks) and all rows of a batch
-decode the same block together. A row that finished its block waits for the others and is not
-computed meanwhile: the rows still unmasking are swapped into the runner's first rows (`_Slots`), so
-a forward feeds a slice of the cache (a view) rather than a gathered copy. At batch 16 this cut the
-rows fed by 26-40% (rl, tau 0.9-0.4, validation). Rows that reached the end of output leave the
-batch. `commit_steps` record the forward of its block that committed each token (0 =
-before the block's first forward, only with `fused=False`; `replay.py` rebuilds every canvas from it).
+Drafts (`DecodeConfig.draft`, AR only; "prompt" = prompt lookup, `draft.py`), lossless: before a
+forward each row drafts up to `draft_tokens` next tokens where its last tokens match its prompt or
+its answer so far; the tokens the constraint forces join the draft as they are, and a draft token
+the constraint forbids ends the draft there. The draft rides after the clean part of that forward
+(`[last token | draft]`, causal), so one forward gives the model's token at every draft position;
+each row keeps the longest prefix of its draft the model agrees with plus the model's own next
+token, walked through the constraint exactly as one forward per token would walk it. Tokens,
+log-probs and `forced` are those of plain AR decoding (`test_prompt_lookup_is_exact`); only the
+forwards are fewer. Keys of rejected draft tokens leave the cache (`reject`): the columns no row kept
+are cropped, and a row that kept fewer than its neighbours keeps holes there, keys nobody attends to,
+with its later positions moved back (the layout has room for them; drafts shrink when it runs out).
+
+State: one batch's decoding is one `_Batch` (runner, config, generator, end ids, each row's
+constraint, budget, prompt lookup and record); a step's choices are one `_Step`.
+
+Batching: `decode` sorts prompts longest first and decodes them `batch_size` at a time (the one
+batching layer; `progress` hears of each batch). Prompts are left-padded (with matching position ids
+and masks) and all rows of a batch decode the same block together. A row that finished its block
+waits for the others and is not computed meanwhile: the rows still unmasking are swapped into the
+runner's first rows (`_Slots`), so a forward feeds a slice of the cache (a view) rather than a
+gathered copy. At batch 16 this cut the rows fed by 26-40% (rl, tau 0.9-0.4, validation). Rows that
+reached the end of output leave the batch. `commit_steps` record the forward of its block that
+committed each token (0 = before the block's first forward, only with `fused=False`; `replay.py`
+rebuilds every canvas from it).
 """
 
 from __future__ import annotations
@@ -77,11 +94,13 @@ import logging
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
 from torch import Tensor
 from transformers import PreTrainedModel
 
+from diffusion_gr2.core.decode.draft import PromptLookup
 from diffusion_gr2.core.decode.grammar import TokenConstraint
 from diffusion_gr2.core.decode.kv_cache import buffer_cache
 from diffusion_gr2.core.model.diffusion import cached_block_hidden, layout_hidden, lm_logits
@@ -96,6 +115,7 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "BACKENDS",
     "COMMIT_RULES",
+    "DRAFTS",
     "DecodeConfig",
     "DecodeOutput",
     "decode",
@@ -105,6 +125,7 @@ __all__ = [
 
 COMMIT_RULES = ("prefix", "confident", "leftmost")
 BACKENDS = ("auto", "lean", "eager")
+DRAFTS = (None, "prompt")
 
 
 @dataclass(frozen=True)
@@ -138,6 +159,13 @@ class DecodeConfig:
     # without the model's say. Diffusion: such positions join the step's run as certain. AR: when
     # every row's next token is forced, it is written without a forward and fed with the next one.
     jump_forward: bool = True
+    # Drafts verified in one forward (AR only, greedy): "prompt" = prompt lookup (module doc); None =
+    # one forward per token. Lossless: the tokens are those of plain decoding, only the forwards fewer.
+    draft: str | None = None
+    # Draft tokens fed per forward at most (transformers' prompt_lookup_num_tokens). 3: on ar_rl (20
+    # test prompts, batch 1) a fourth draft token was kept in 2% (free) / 6% (grammar) of the drafts
+    # that had one, and a CPU forward's cost grows with its width (4 tokens ~1.3x one, 11 ~2x).
+    draft_tokens: int = 3
 
 
 @dataclass(frozen=True)
@@ -242,7 +270,8 @@ class _CachedRunner:
         [b, q] marks the canvas positions each row really feeds (its window); the others are keys
         nobody attends to, so a row's result never depends on its batch neighbours' windows.
         `checked` (clean part alone): also the logits that predicted the clean part's last `checked`
-        tokens, first (AR jump-forward checks what the model would have written there).
+        tokens, first (AR: jump-forward checks what the model would have written there, and a
+        draft's tokens are verified by the logits that predicted them).
         """
         c = 0 if clean is None else clean.shape[1]
         q = 0 if canvas is None else canvas.shape[1]
@@ -270,6 +299,18 @@ class _CachedRunner:
         self.cache.batch_select_indices(index)
         self.layout = self.layout.rows(index)
         self.slots = _Slots(len(rows), self._swap)
+
+    def reject(self, kept: Sequence[int], fed: int) -> None:
+        """Of the last forward's last `fed` clean columns (a draft), batch row i keeps the first `kept[i]`.
+
+        Columns no row kept are cropped off the cache; a row that kept fewer than the most leaves
+        holes (`_with_holes`).
+        """
+        top = max(kept)
+        if top < fed:
+            self.cache.crop(top - fed)  # negative = number of tokens to drop (transformers 5)
+            self.n -= fed - top
+        self.layout = _with_holes(self.layout, self.n, _per_slot(self.slots, [top - k for k in kept]))
 
 
 class _RecomputeRunner:
@@ -317,6 +358,44 @@ class _RecomputeRunner:
         self.seq, self.layout = self.seq[index], self.layout.rows(index)
         self.slots = _Slots(len(rows), self._swap)
 
+    @property
+    def n(self) -> int:
+        """Clean columns so far (the cached runner's cache length)."""
+        return 0 if self.seq is None else self.seq.shape[1]
+
+    def reject(self, kept: Sequence[int], fed: int) -> None:
+        """`_CachedRunner.reject`: the columns no row kept leave the sequence, the others are holes."""
+        assert self.seq is not None
+        top = max(kept)
+        self.seq = self.seq[:, : self.n - (fed - top)]
+        self.layout = _with_holes(self.layout, self.n, _per_slot(self.slots, [top - k for k in kept]))
+
+
+def _per_slot(slots: _Slots, values: Sequence[int]) -> list[int]:
+    """`values` of batch rows 0, 1, ... rearranged into the order of the slots that hold them."""
+    out = [0] * len(values)
+    for slot, value in zip(slots.of(range(len(values))), values, strict=True):
+        out[slot] = value
+    return out
+
+
+def _with_holes(layout: Layout, end: int, holes: Sequence[int]) -> Layout:
+    """`layout` with the `holes[s]` columns before column `end` of slot s invalid (keys nobody
+    attends to: rejected draft tokens) and the positions of its later columns moved back as many.
+
+    Later tokens then sit at the RoPE positions plain decoding gives them, and attend to the same
+    keys: the holes change no logit (masked keys weigh exactly zero).
+    """
+    if not any(holes):
+        return layout
+    dev = layout.valid.device
+    h = torch.tensor(holes, device=dev)[:, None]  # [b, 1]
+    col = torch.arange(layout.length, device=dev)  # [l]
+    hole = (col >= end - h) & (col < end)  # [b, l]
+    return replace(
+        layout, valid=layout.valid & ~hole, position=layout.position - torch.where(col >= end, h, 0)
+    )
+
 
 def _choose(logits: Tensor, cfg: DecodeConfig, gen: torch.Generator) -> tuple[Tensor, Tensor]:
     """Tokens and their log-probs `[...]` from logits `[..., v]` (arg-max, or a seeded sample)."""
@@ -330,30 +409,124 @@ def _choose(logits: Tensor, cfg: DecodeConfig, gen: torch.Generator) -> tuple[Te
     return tokens, logp.gather(-1, tokens[..., None]).squeeze(-1)
 
 
-def _constrain_commits(
-    constraints: Sequence[TokenConstraint | None],
-    logits: Tensor,
-    tokens: list[list[int]],
-    logps: list[list[float]],
-    cands: list[list[bool]],
-    chosen: list[list[bool]],
-    budgets: Sequence[int],
-    must_commit: bool,
-    cfg: DecodeConfig,
-    gen: torch.Generator,
-) -> tuple[list[list[bool]], list[int]]:
-    """Each row's commits under its constraint, and the corrections per row (`tokens`/`logps` in place).
+@dataclass
+class _Batch:
+    """One batch's decoding: what every step reads, and what its rows have written so far.
 
-    `logits` [b, m, v] and `tokens`/`logps` [b][m] are the step's choices, `cands` [b][m] the masked
-    positions fed, `chosen` [b][m] those the commit rule picked, before its prefix cut for rows with a
-    constraint (`_commit_mask(..., cut=False)`; a row without one keeps the rule's run). Under the `prefix` rule a row's commits are one run from its
-    first candidate, walked left to right through its constraint (`budgets[i]` = tokens the row may
-    still write at position 0):
+    Batch row i holds prompt `active[i]`; `records`, `constraints` and `lookups` are indexed by
+    prompt, so a finished row leaves `active` (and the runner) and nothing else moves.
+    """
+
+    runner: _CachedRunner | _RecomputeRunner
+    cfg: DecodeConfig
+    gen: torch.Generator
+    eos: frozenset[int]
+    records: list[_Record]
+    constraints: Sequence[TokenConstraint | None] | None  # this batch's copies, advanced as tokens commit
+    lookups: list[PromptLookup] | None  # draft "prompt": each prompt's n-gram index
+    active: list[int]
+    pending: Tensor | None  # clean tokens the cache does not hold yet: the prompt, then each block
+    jumped: int = 0  # AR: tokens at the end of `pending` written by jump-forward, not by a forward
+
+    @classmethod
+    def start(
+        cls,
+        model: PreTrainedModel,
+        prompts: Sequence[Sequence[int]],
+        cfg: DecodeConfig,
+        gen: torch.Generator,
+        constraints: Sequence[TokenConstraint | None] | None,
+    ) -> _Batch:
+        """The batch before its first forward: prompts left-padded, the cache empty."""
+        k, dev = cfg.block_size, model.device
+        ids, valid = left_pad_prompts(prompts, cfg.pad_token_id, dev)
+        # drafts need columns for what they feed, and a batch room for its rows' holes (module doc)
+        room = 0 if cfg.draft is None else cfg.draft_tokens + (cfg.max_new_tokens if len(prompts) > 1 else 0)
+        width = math.ceil(cfg.max_new_tokens / k) * k + room
+        layout = prompt_response_layout(
+            valid, torch.ones(len(prompts), width, dtype=torch.bool, device=dev), k
+        )
+        runner: _CachedRunner | _RecomputeRunner
+        if cfg.recompute:
+            runner = _RecomputeRunner(model, layout)
+        else:
+            runner = _CachedRunner(model, layout, _lean_forward(model, cfg.backend, layout.length))
+        return cls(
+            runner=runner,
+            cfg=cfg,
+            gen=gen,
+            eos=frozenset(cfg.eos_token_ids),
+            records=[_Record() for _ in prompts],
+            constraints=constraints,
+            lookups=None if cfg.draft is None else [PromptLookup(p) for p in prompts],
+            active=list(range(len(prompts))),
+            pending=ids,
+        )
+
+    def constraint(self, row: int) -> TokenConstraint | None:
+        """Batch row `row`'s constraint (None: unconstrained)."""
+        return None if self.constraints is None else self.constraints[self.active[row]]
+
+    def budget(self, row: int) -> int:
+        """Tokens batch row `row` may still write."""
+        return self.cfg.max_new_tokens - len(self.records[self.active[row]].tokens)
+
+    def choose(self, logits: Tensor) -> tuple[list[Any], list[Any]]:
+        """`_choose` as host lists: tokens and log-probs `[...]` of logits `[..., v]`."""
+        tokens, logps = _choose(logits, self.cfg, self.gen)
+        return tokens.tolist(), logps.tolist()
+
+    def draft_room(self) -> int:
+        """Draft tokens the next forward may feed: the layout's columns left after its clean part,
+        less what the row with the most budget may still need (one column a token, its last never
+        fed), so that row can always finish one token a forward."""
+        assert self.pending is not None
+        left = self.runner.layout.length - self.runner.n - self.pending.shape[1]
+        most = max(self.budget(i) for i in range(len(self.active)))
+        return min(self.cfg.draft_tokens, left - most + 1)
+
+
+@dataclass
+class _Step:
+    """One forward's choices for the batch rows `rows` that took part, at block positions lo, lo + 1, ...
+
+    `logits` [r, m, v]; `tokens`/`logps` [r][m] the arg-max (or sample) and its log-prob, which the
+    constraint may replace in place; `cands` [r][m] the positions open to commit; `chosen` [r][m]
+    those the commit rule picked.
+    """
+
+    rows: list[int]
+    lo: int
+    logits: Tensor
+    tokens: list[list[int]]
+    logps: list[list[float]]
+    cands: list[list[bool]]
+    chosen: list[list[bool]]
+    must_commit: bool  # every candidate is due (AR, the step cap), not only the run's first
+    drafts: list[list[int]] | None = None  # AR verification: a run ends where its token leaves the draft
+
+
+def _agrees(draft: Sequence[int], j: int, token: int, eos: frozenset[int]) -> bool:
+    """Whether a verified run goes on past position j: the model's token there is the draft's (the
+    draft token was fed, so the next logits follow it), and not an end token."""
+    return j < len(draft) and draft[j] == token and token not in eos
+
+
+def _constrain_commits(st: _Batch, step: _Step) -> tuple[list[list[bool]], list[int]]:
+    """Each row's commits under its constraint, and the corrections per row (`step.tokens`/`logps`
+    in place).
+
+    `step.chosen` holds the commit rule's picks before its prefix cut for rows with a constraint
+    (`_commit_mask(..., cut=False)`; a row without one keeps the rule's run). Under the `prefix`
+    rule a row's commits are one run from its first candidate, walked left to right through its
+    constraint (`st.budget(row) - lo` = tokens the row may still write at the step's first position):
     * a position the constraint leaves one token (`only`, with `cfg.jump_forward`) joins the run as
       certain (log-prob 0 under the constrained distribution), whatever the model's confidence;
     * any other position joins while the rule chose it. A disallowed token is replaced by the best
       allowed one where a commit is due (the run's first position, or every position when
-      `must_commit`) and cuts the run elsewhere.
+      `step.must_commit`) and cuts the run elsewhere;
+    * with `step.drafts` (AR verification) the run goes on only while the committed token is the
+      draft's (`_agrees`).
     A correction is counted wherever the constraint overrides the model's choice: a replaced token,
     a jumped token the model would not have chosen (whatever its confidence), and a disallowed choice
     that ends the run (nothing is committed there). A row with none wrote only its own choices and
@@ -362,45 +535,45 @@ def _constrain_commits(
     The automaton walk is plain Python per committed token; the tensor work (renormalised log-probs)
     is one batched pass over every constrained commit of the step, however long the runs are.
     """
-    forced = [0] * len(constraints)
-    commits = [[False] * len(row) for row in chosen]
+    cfg, logits, tokens, logps = st.cfg, step.logits, step.tokens, step.logps
+    forced = [0] * len(step.rows)
+    commits = [[False] * len(row) for row in step.chosen]
     where: list[tuple[int, int]] = []  # constrained commits, and the masks they were checked against
     masks: list[Tensor] = []
-    for i, constraint in enumerate(constraints):
-        cand, row, commit, first = cands[i], chosen[i], commits[i], True
+    for i, r in enumerate(step.rows):
+        constraint, budget = st.constraint(r), st.budget(r) - step.lo
+        cand, row, commit, first = step.cands[i], step.chosen[i], commits[i], True
         for j in range(len(cand)):
             if not cand[j]:  # committed before the run, or past the row's window (masked
                 if first:  # positions are one suffix of the block, so the run ends there)
                     continue
                 break
-            due = first or must_commit
+            due = first or step.must_commit
             if constraint is None:  # nothing to check: the rule's own run (`_commit_mask` cut it)
                 commit[:] = row
                 break
-            only = constraint.only(budgets[i] - j) if cfg.jump_forward else None
+            only = constraint.only(budget - j) if cfg.jump_forward else None
             if only is not None:  # certain: the one token the constraint allows
                 forced[i] += int(tokens[i][j] != only)  # the model's own choice was another token
                 tokens[i][j], logps[i][j] = only, 0.0
-                commit[j], first = True, False
-                constraint.advance(only)
-                continue
-            if not (due or row[j]):  # neither chosen nor certain: the run ends here
-                break
-            allowed = constraint.allowed(budgets[i] - j)
-            token = tokens[i][j]
-            if allowed is not None:
-                if not bool(allowed[token]):
-                    forced[i] += 1
-                    if not due:  # not due here: end the run before it
-                        break
-                    x = logits[i, j].masked_fill(~allowed.to(logits.device), -math.inf)
-                    token = int(_choose(x, cfg, gen)[0])  # the best allowed token (or a sample among them)
-                    tokens[i][j] = token
-                where.append((i, j))
-                masks.append(allowed)
-            # allowed None = any token: nothing to correct, the log-prob stays the model's
+            else:
+                if not (due or row[j]):  # neither chosen nor certain: the run ends here
+                    break
+                allowed = constraint.allowed(budget - j)
+                if allowed is not None:
+                    if not bool(allowed[tokens[i][j]]):
+                        forced[i] += 1
+                        if not due:  # not due here: end the run before it
+                            break
+                        x = logits[i, j].masked_fill(~allowed.to(logits.device), -math.inf)
+                        tokens[i][j] = int(_choose(x, cfg, st.gen)[0])  # the best allowed (or a sample)
+                    where.append((i, j))
+                    masks.append(allowed)
+                # allowed None = any token: nothing to correct, the log-prob stays the model's
             commit[j], first = True, False
-            constraint.advance(token)
+            constraint.advance(tokens[i][j])
+            if step.drafts is not None and not _agrees(step.drafts[i], j, tokens[i][j], st.eos):
+                break
     if where:
         r, c = (torch.tensor(idx, device=logits.device) for idx in zip(*where, strict=True))
         picked = torch.tensor([tokens[i][j] for i, j in where], device=logits.device)
@@ -436,7 +609,7 @@ def _commit_mask(
     return chosen
 
 
-def _needs_step(tokens: list[int], masked: list[bool], limit: int, eos: set[int]) -> bool:
+def _needs_step(tokens: list[int], masked: list[bool], limit: int, eos: frozenset[int]) -> bool:
     """Whether a row's block has a masked position that can still reach the output.
 
     Positions count up to `limit` and up to the first committed eos (anything after it is cut).
@@ -475,6 +648,11 @@ class _Block:
             [0] * b,
         )
 
+    def trim(self, row: int, n: int) -> None:
+        """Keep the first `n` positions of batch row `row` (an AR row's verified run, `_first_token`)."""
+        for lists in (self.tokens, self.steps, self.logps, self.masked):
+            del lists[row][n:]
+
     def apply(
         self, row: int, commit: list[bool], tokens: list[int], logps: list[float], step: int, lo: int
     ) -> None:
@@ -501,29 +679,20 @@ def fed_width(leftmost: Tensor | int, k: int, window: int | None) -> Tensor | in
     return k if window is None else min(leftmost + window, k)
 
 
-def _run_block(
-    runner: _CachedRunner | _RecomputeRunner,
-    pending: Tensor | None,
-    blk: _Block,
-    cfg: DecodeConfig,
-    limit: int,
-    eos: set[int],
-    gen: torch.Generator,
-    constraints: Sequence[TokenConstraint | None] | None,
-    budgets: Sequence[int],
-) -> None:
+def _run_block(st: _Batch, blk: _Block, limit: int) -> None:
     """Unmask `blk` forward by forward; rows whose relevant positions are all committed stop taking part.
 
-    `pending` (clean tokens not in the cache yet) rides along in the first forward, whose column 0 is
-    the block's first token. `budgets[i]` is what row i may still write at the block's position 0.
+    `st.pending` (clean tokens not in the cache yet) rides along in the first forward, whose column
+    0 is the block's first token. `limit`: positions of the block that can reach the output.
     """
+    cfg, runner = st.cfg, st.runner
     k = len(blk.tokens[0])
     max_steps = cfg.max_steps_per_block or k
     dev = runner.layout.block.device
     for step in range(1, max_steps + 1):
         # the first forward also writes the clean part: every row takes part in it
         need = [
-            pending is not None or _needs_step(t, m, limit, eos)
+            st.pending is not None or _needs_step(t, m, limit, st.eos)
             for t, m in zip(blk.tokens, blk.masked, strict=True)
         ]
         if not any(need):
@@ -535,15 +704,14 @@ def _run_block(
         # q: the widest canvas fed; lo: the first position still masked in any row fed (everything
         # left of it is committed in every row, so its logits are not computed)
         q = max(fed)
-        lo = 0 if pending is not None else max(1, min(min(leftmost), q - 1))
+        lo = 0 if st.pending is not None else max(1, min(min(leftmost), q - 1))
         canvas = torch.tensor([blk.tokens[r][:q] for r in rows], device=dev)
         canvas_valid = torch.tensor([[j < f for j in range(q)] for f in fed], device=dev)
-        logits = runner.forward(pending, canvas, canvas_valid, lo)  # [rows, m, v]
-        pending = None
-        chosen, chosen_logps = _choose(logits, cfg, gen)
-        tokens, logps = chosen.tolist(), chosen_logps.tolist()
+        logits = runner.forward(st.pending, canvas, canvas_valid, lo)  # [rows, m, v]
+        st.pending = None
+        tokens, logps = st.choose(logits)
         m = logits.shape[1]
-        cands, commits = [], []
+        cands, chosen = [], []
         for i, r in enumerate(rows):
             cand = [blk.masked[r][j] and j < fed[i] for j in range(lo, lo + m)]
             conf = logps[i]
@@ -552,20 +720,12 @@ def _run_block(
                 cand[0], conf = blk.masked[r][0], [0.0, *conf[1:]]
             cands.append(cand)
             # constrained rows make their run in the constraint walk (it may extend it)
-            cut = constraints is None or constraints[r] is None
-            commits.append(_commit_mask(cand, conf, cfg.threshold, fill, cfg.commit_rule, cut=cut))
-        if constraints is not None:
+            cut = st.constraint(r) is None
+            chosen.append(_commit_mask(cand, conf, cfg.threshold, fill, cfg.commit_rule, cut=cut))
+        commits = chosen
+        if st.constraints is not None:
             commits, fixes = _constrain_commits(
-                [constraints[r] for r in rows],
-                logits,
-                tokens,
-                logps,
-                cands,
-                commits,
-                [budgets[r] - lo for r in rows],
-                fill,
-                cfg,
-                gen,
+                st, _Step(rows, lo, logits, tokens, logps, cands, chosen, fill)
             )
             for r, fix in zip(rows, fixes, strict=True):
                 blk.forced[r] += fix
@@ -574,63 +734,115 @@ def _run_block(
             blk.nfe[r] += 1
 
 
-def _first_token(
-    runner: _CachedRunner | _RecomputeRunner,
-    pending: Tensor | None,
-    blk: _Block,
-    cfg: DecodeConfig,
-    gen: torch.Generator,
-    constraints: Sequence[TokenConstraint | None] | None,
-    budgets: Sequence[int],
-    jumped: int = 0,
-) -> None:
+def _first_token(st: _Batch, blk: _Block, drafts: list[list[int]] | None = None) -> None:
     """One forward of the clean tokens alone; its last logit is the block's first token (step 0).
 
     AR decoding is this and nothing else, one forward per token, so it is kept free of the canvas
-    bookkeeping of `_run_block`. `jumped`: the clean part's last tokens that AR jump-forward wrote
+    bookkeeping of `_run_block`. `st.jumped`: the clean part's last tokens that AR jump-forward wrote
     without a forward (`_jump_forward`); the logits that predict them are computed here too, and
     where the model would have written another token it counts as a correction, exactly as a
-    forward per token would have counted it.
+    forward per token would have counted it. `drafts` (AR, one per row, `_drafts`): fed after the
+    clean part, padded to the longest; the logit after each draft token is the model's token there,
+    and a row keeps the run that agrees with its draft (module doc): its row of `blk` (of width
+    1 + the longest draft) is cut to the tokens written, and the rest leave the cache.
     """
-    logits = runner.forward(pending, None, None, checked=jumped)  # [b, jumped + 1, v]
+    d = 0 if drafts is None else max(map(len, drafts), default=0)
+    clean, jumped = st.pending, st.jumped
+    assert clean is not None
+    if d:
+        assert drafts is not None
+        fill = [[*x, *[st.cfg.pad_token_id] * (d - len(x))] for x in drafts]  # padding: rejected anyway
+        clean = torch.cat([clean, torch.tensor(fill, device=clean.device)], 1)
+    logits = st.runner.forward(clean, None, None, checked=jumped + d)  # [b, jumped + d + 1, v]
     if jumped:
-        assert pending is not None
-        would = _choose(logits[:, :jumped], cfg, gen)[0]
-        fixes = (would != pending[:, -jumped:]).sum(1).tolist()
+        would = _choose(logits[:, :jumped], st.cfg, st.gen)[0]
+        fixes = (would != st.pending[:, -jumped:]).sum(1).tolist()
         blk.forced = [f + fix for f, fix in zip(blk.forced, fixes, strict=True)]
-    first = logits[:, -1:]
-    chosen, chosen_logps = _choose(first, cfg, gen)
-    tokens, logps = chosen.tolist(), chosen_logps.tolist()
-    commit = [[True] for _ in tokens]
-    if constraints is not None:
-        commit, fixes = _constrain_commits(
-            constraints, first, tokens, logps, commit, commit, budgets, True, cfg, gen
-        )
+    st.pending, st.jumped = None, 0
+    head = logits[:, jumped:]  # the first token, then the one after each draft token
+    tokens, logps = st.choose(head)
+    mine = [[] for _ in tokens] if drafts is None else drafts
+    cands = [[j <= len(x) for j in range(d + 1)] for x in mine]
+    chosen = [[j <= _agreed(t, x, st.eos) for j in range(d + 1)] for t, x in zip(tokens, mine, strict=True)]
+    commit = chosen
+    if st.constraints is not None:
+        step = _Step(list(range(len(tokens))), 0, head, tokens, logps, cands, chosen, True, drafts)
+        commit, fixes = _constrain_commits(st, step)
         blk.forced = [f + fix for f, fix in zip(blk.forced, fixes, strict=True)]
     for r in range(len(tokens)):
         blk.apply(r, commit[r], tokens[r], logps[r], 0, 0)
         blk.nfe[r] += 1
+    if drafts is not None:
+        runs = [sum(c) for c in commit]
+        if d:
+            st.runner.reject([n - 1 for n in runs], d)  # each row's agreeing draft prefix stays cached
+        for r, n in enumerate(runs):
+            blk.trim(r, n)
 
 
-def _jump_forward(
-    blk: _Block, constraints: Sequence[TokenConstraint | None] | None, budgets: Sequence[int], eos: set[int]
-) -> bool:
-    """AR jump-forward: when every row's constraint leaves one next token, write it (no forward).
+def _agreed(tokens: Sequence[int], draft: Sequence[int], eos: frozenset[int]) -> int:
+    """Draft tokens a row without a constraint keeps: its leading run of `_agrees` positions."""
+    n = 0
+    while _agrees(draft, n, tokens[n], eos):
+        n += 1
+    return n
+
+
+def _drafts(st: _Batch) -> list[list[int]]:
+    """Each row's draft of its next tokens (prompt lookup), as long as its budget and the layout allow.
+
+    Built token by token through a copy of the row's constraint: a forced token joins the draft as
+    it is (it will be accepted), a looked-up token the constraint forbids ends the draft, and so
+    does an end token. The continuation of one match is used until it runs out or a forced token
+    departs from it; then the lookup runs again on the extended tail.
+    """
+    assert st.lookups is not None
+    room, eos = st.draft_room(), st.eos
+    drafts = []
+    for i, r in enumerate(st.active):
+        budget, original = st.budget(i), st.constraint(i)
+        state = None if original is None else original.copy()
+        n = min(room, budget - 1)  # the forward writes one token more than the draft
+        draft: list[int] = []
+        follow: list[int] = []  # the current match's continuation, not used yet
+        while len(draft) < n and (not draft or draft[-1] not in eos):
+            token = None if state is None else state.only(budget - len(draft))
+            if token is None:
+                follow = follow or st.lookups[r].draft(draft, n - len(draft))
+                allowed = None if state is None or not follow else state.allowed(budget - len(draft))
+                if not follow or (allowed is not None and not bool(allowed[follow[0]])):
+                    break
+                token = follow[0]
+            follow = follow[1:] if follow and follow[0] == token else []
+            draft.append(token)
+            if state is not None:
+                state.advance(token)
+        drafts.append(draft)
+    return drafts
+
+
+def _jump_forward(st: _Batch) -> _Block | None:
+    """AR jump-forward: when every row's constraint leaves one next token, its block (no forward).
 
     The rows of a batch move in step, so one row with a choice to make costs the forward anyway.
     An end token or a row's last allowed token is never jumped: the forward that follows checks
     what the model would have written at jumped positions (`_first_token`), and those rows have none.
     """
-    if constraints is None or not constraints:
-        return False
-    only = [None if c is None or b <= 1 else c.only(b) for c, b in zip(constraints, budgets, strict=True)]
-    if any(t is None or t in eos for t in only):
-        return False
-    for r, (constraint, token) in enumerate(zip(constraints, only, strict=True)):
+    if not st.constraints:
+        return None
+    rows = range(len(st.active))
+    only = [
+        None if (c := st.constraint(i)) is None or st.budget(i) <= 1 else c.only(st.budget(i)) for i in rows
+    ]
+    if any(t is None or t in st.eos for t in only):
+        return None
+    blk = _Block.empty(len(st.active), 1, st.cfg.pad_token_id)
+    for i, token in zip(rows, only, strict=True):
+        constraint = st.constraint(i)
         assert constraint is not None and token is not None
-        blk.apply(r, [True], [token], [0.0], 0, 0)  # certain under the constrained distribution
+        blk.apply(i, [True], [token], [0.0], 0, 0)  # certain under the constrained distribution
         constraint.advance(token)
-    return True
+    return blk
 
 
 def left_pad_prompts(
@@ -661,7 +873,7 @@ class _Record:
     forced: int = 0
 
     def add_block(
-        self, tokens: list[int], steps: list[int], logps: list[float], limit: int, eos: set[int]
+        self, tokens: list[int], steps: list[int], logps: list[float], limit: int, eos: frozenset[int]
     ) -> bool:
         """Append a finished block, cut after the first eos / at `limit`; True when an eos was hit."""
         cut = next((i for i, t in enumerate(tokens[:limit]) if t in eos), None)
@@ -678,15 +890,18 @@ class _Record:
         )
 
 
-def _record_block(
-    records: list[_Record], active: list[int], blk: _Block, limit: int, eos: set[int], last_block: bool
-) -> list[int]:
-    """Store each active row's block; returns the batch positions of the rows that continue."""
+def _record_block(st: _Batch, blk: _Block) -> list[int]:
+    """Store each active row's block (cut at its budget and first eos); the rows that continue."""
     keep = []
-    for i, r in enumerate(active):
-        records[r].nfe += blk.nfe[i]
-        records[r].forced += blk.forced[i]
-        if not records[r].add_block(blk.tokens[i], blk.steps[i], blk.logps[i], limit, eos) and not last_block:
+    for i, r in enumerate(st.active):
+        record = st.records[r]
+        limit, before = min(len(blk.tokens[i]), st.budget(i)), len(record.tokens)
+        record.nfe += blk.nfe[i]
+        record.forced += blk.forced[i]
+        ended = record.add_block(blk.tokens[i], blk.steps[i], blk.logps[i], limit, st.eos)
+        if st.lookups is not None:
+            st.lookups[r].extend(record.tokens[before:])
+        if not ended and len(record.tokens) < st.cfg.max_new_tokens:
             keep.append(i)
     return keep
 
@@ -710,65 +925,43 @@ def _decode_batch(
     prompts: Sequence[Sequence[int]],
     cfg: DecodeConfig,
     gen: torch.Generator,
-    constraints: Sequence[TokenConstraint] | None = None,
+    constraints: Sequence[TokenConstraint | None] | None = None,
 ) -> list[DecodeOutput]:
     """Decode one batch of prompts (each with its own constraint when given); outputs in order."""
-    k, dev = cfg.block_size, model.device
-    ids, valid = left_pad_prompts(prompts, cfg.pad_token_id, dev)
-    n_blocks = math.ceil(cfg.max_new_tokens / k)
-    layout = prompt_response_layout(
-        valid, torch.ones(len(prompts), n_blocks * k, dtype=torch.bool, device=dev), k
-    )
-    runner: _CachedRunner | _RecomputeRunner
-    if cfg.recompute:
-        runner = _RecomputeRunner(model, layout)
-    else:
-        runner = _CachedRunner(model, layout, _lean_forward(model, cfg.backend, layout.length))
-    eos = set(cfg.eos_token_ids)
+    st = _Batch.start(model, prompts, cfg, gen, constraints)
+    k = cfg.block_size
     mask_id = cfg.mask_token_id if k > 1 else cfg.pad_token_id
-    records = [_Record() for _ in prompts]
-    active = list(range(len(prompts)))  # record index of each row still in the batch
-    pending: Tensor | None = ids  # clean tokens the cache does not hold yet: the prompt, then each block
-    jumped = 0  # AR: tokens at the end of `pending` written by jump-forward, not by a forward
-    for b_idx in range(n_blocks):
-        limit = min(k, cfg.max_new_tokens - b_idx * k)
-        rows = None if constraints is None else [constraints[r] for r in active]
-        budgets = [cfg.max_new_tokens - len(records[r].tokens) for r in active]
-        blk = _Block.empty(len(active), k, mask_id)
-        jump = k == 1 and cfg.jump_forward and _jump_forward(blk, rows, budgets, eos)
-        if not jump and (k == 1 or not cfg.fused):  # the clean part's forward alone gives the first token
-            _first_token(runner, pending, blk, cfg, gen, rows, budgets, jumped)
-            pending, jumped = None, 0
-        if k > 1:
-            _run_block(runner, pending, blk, cfg, limit, eos, gen, rows, budgets)
-        keep = _record_block(records, active, blk, limit, eos, last_block=b_idx == n_blocks - 1)
+    assert mask_id is not None
+    while True:
+        blk = _jump_forward(st) if k == 1 and cfg.jump_forward else None
+        jump = blk is not None
+        if blk is None:
+            drafts = _drafts(st) if cfg.draft is not None else None  # AR only (`decode` checks)
+            blk = _Block.empty(len(st.active), k + max(map(len, drafts or []), default=0), mask_id)
+            if k == 1 or not cfg.fused:  # the clean part's forward alone gives the first token
+                _first_token(st, blk, drafts)
+            if k > 1:
+                _run_block(st, blk, min(k, st.budget(0)))  # the rows of a block have one budget
+        keep = _record_block(st, blk)
         if not keep:
             break
-        written = torch.tensor([blk.tokens[i] for i in keep], device=dev)
+        # what the cache lacks of each row: a block, or AR's last token (a draft it kept was fed)
+        written = torch.tensor(
+            [blk.tokens[i][-1:] if k == 1 else blk.tokens[i] for i in keep], device=model.device
+        )
         if jump:  # no row ends on a jumped token: the batch is unchanged, the token waits in `pending`
-            assert pending is not None and len(keep) == len(active)
-            pending, jumped = torch.cat([pending, written], 1), jumped + 1
+            assert st.pending is not None and len(keep) == len(st.active)
+            st.pending, st.jumped = torch.cat([st.pending, written], 1), st.jumped + 1
             continue
-        pending = written
-        if len(keep) < len(active) or not runner.slots.in_order:  # finished rows leave the batch
-            runner.keep(keep)
-            active = [active[i] for i in keep]
-    return [r.output() for r in records]
+        st.pending = written
+        if len(keep) < len(st.active) or not st.runner.slots.in_order:  # finished rows leave the batch
+            st.runner.keep(keep)
+            st.active = [st.active[i] for i in keep]
+    return [r.output() for r in st.records]
 
 
-@torch.inference_mode()
-def decode(
-    model: PreTrainedModel,
-    prompts: Sequence[Sequence[int]],
-    config: DecodeConfig,
-    constraints: Sequence[TokenConstraint] | None = None,
-) -> list[DecodeOutput]:
-    """Decode every prompt (token ids) with `model`; one `DecodeOutput` per prompt, in order.
-
-    Prompts are batched `config.batch_size` at a time, longest first (less left padding); greedy
-    results do not depend on the batching. `constraints` (one per prompt, copied, never mutated)
-    restrict what each row may write (module doc).
-    """
+def _check(config: DecodeConfig, prompts: int, constraints: int | None) -> None:
+    """Refuse a config (or a constraint count) the decoder cannot honour, with the reason."""
     if config.block_size > 1 and config.mask_token_id is None:
         raise ValueError("block_size > 1 needs mask_token_id")
     if config.window is not None and config.window < 1:
@@ -777,22 +970,49 @@ def decode(
         raise ValueError(f"backend must be one of {BACKENDS}, got {config.backend!r}")
     if config.commit_rule not in COMMIT_RULES:
         raise ValueError(f"commit_rule must be one of {COMMIT_RULES}, got {config.commit_rule!r}")
+    if config.draft not in DRAFTS:
+        raise ValueError(f"draft must be one of {DRAFTS}, got {config.draft!r}")
+    if config.draft is not None and (config.block_size > 1 or config.do_sample or config.draft_tokens < 1):
+        raise ValueError(
+            "drafts need AR greedy decoding (block_size 1, do_sample False) and draft_tokens >= 1, got "
+            f"block_size {config.block_size}, do_sample {config.do_sample}, draft_tokens {config.draft_tokens}"
+        )
     if constraints is not None:
-        if len(constraints) != len(prompts):
-            raise ValueError(f"{len(prompts)} prompts but {len(constraints)} constraints")
+        if constraints != prompts:
+            raise ValueError(f"{prompts} prompts but {constraints} constraints")
         if config.block_size > 1 and config.commit_rule != "prefix":
             raise ValueError(
                 "constrained decoding needs commit_rule='prefix' (a constraint reads the committed "
                 f"tokens left of the one it checks), got {config.commit_rule!r}"
             )
+
+
+@torch.inference_mode()
+def decode(
+    model: PreTrainedModel,
+    prompts: Sequence[Sequence[int]],
+    config: DecodeConfig,
+    constraints: Sequence[TokenConstraint] | None = None,
+    progress: Callable[[int], object] | None = None,
+) -> list[DecodeOutput]:
+    """Decode every prompt (token ids) with `model`; one `DecodeOutput` per prompt, in order.
+
+    The one batching layer: prompts are batched `config.batch_size` at a time, longest first (less
+    left padding); greedy results do not depend on the batching. `constraints` (one per prompt,
+    copied, never mutated) restrict what each row may write (module doc). `progress` is called with
+    the number of prompts of each batch once it is decoded (a progress bar's `update`).
+    """
+    _check(config, len(prompts), None if constraints is None else len(constraints))
     gen = torch.Generator(device=model.device).manual_seed(config.seed)
     order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
     outputs: list[DecodeOutput | None] = [None] * len(prompts)
     for start in range(0, len(order), config.batch_size):
         chunk = order[start : start + config.batch_size]
         rows = None if constraints is None else [constraints[i].copy() for i in chunk]
-        decoded = _decode_batch(model, [prompts[i] for i in chunk], config, gen, rows)
+        decoded = _decode_batch(model, [list(prompts[i]) for i in chunk], config, gen, rows)
         for i, out in zip(chunk, decoded, strict=True):
             outputs[i] = out
+        if progress is not None:
+            progress(len(chunk))
     logger.debug("decoded %d prompts with block size %d", len(prompts), config.block_size)
     return outputs  # type: ignore[return-value]

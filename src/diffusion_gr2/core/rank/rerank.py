@@ -108,6 +108,10 @@ class RerankConfig:
     device: str = "auto"  # "auto" = cuda when available, else cpu
     backend: str = DecodeConfig.backend  # the model forward: "auto", "lean" or "eager" (decoder.BACKENDS)
     jump_forward: bool = DecodeConfig.jump_forward  # constrained: write tokens the grammar forces at once
+    # AR systems: drafts verified in one forward, lossless ("prompt" = prompt lookup; None = off).
+    # Diffusion systems decode without them whatever this says (decoder.py, drafts).
+    draft: str | None = DecodeConfig.draft
+    draft_tokens: int = DecodeConfig.draft_tokens  # draft tokens fed per forward at most
 
 
 def resolve_device(name: str) -> torch.device:
@@ -171,6 +175,8 @@ def decode_config_for(
         seed=seed,
         backend=config.backend,
         jump_forward=config.jump_forward,
+        draft=config.draft if block_size == 1 else None,
+        draft_tokens=config.draft_tokens,
     )
 
 
@@ -200,22 +206,13 @@ def decode_requests(
     desc: str = "decode",
     grammars: Sequence[AnswerGrammar] | None = None,
 ) -> list[DecodeOutput]:
-    """`decode` in batches of `config.batch_size`, longest prompts first (less padding), with progress.
+    """`decode` (which batches `config.batch_size` at a time, longest prompts first) with a progress bar.
 
     Outputs come back in the order of `prompts`; greedy results do not depend on the batching.
-    `grammars`, one per prompt, constrain each answer.
+    `grammars`, one per prompt, constrain each answer (copied, never advanced).
     """
-    order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
-    outputs: list[DecodeOutput | None] = [None] * len(prompts)
     with tqdm(total=len(prompts), desc=desc, unit="req", leave=False) as bar:
-        for start in range(0, len(order), config.batch_size):
-            chunk = order[start : start + config.batch_size]
-            rows = None if grammars is None else [grammars[i] for i in chunk]
-            decoded = decode(model, [list(prompts[i]) for i in chunk], config, rows)
-            for i, out in zip(chunk, decoded, strict=True):
-                outputs[i] = out
-            bar.update(len(chunk))
-    return outputs  # type: ignore[return-value]
+        return decode(model, prompts, config, grammars, progress=bar.update)
 
 
 def _tau_value(tau: float | None) -> float:
