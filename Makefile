@@ -52,8 +52,8 @@ run: setup
 	$(BIN)/kedro run
 	@echo "Reports: data/08_reporting/   MLflow: make mlflow-ui (store: mlflow.db)"
 
-# The budgets the default run had before it was sized to its 30-minute budget (2026-12-01): ~43 min
-# from scratch on two cores, stronger models (README "Default run time" has both runs' figures).
+# The longer recipe (more steps, the 10-item prompt): stronger models, ~43 min from scratch on two
+# cores (docs/experiments.md#training-budgets).
 FULL_PARAMS := teacher_midtrain.train.max_steps=2000,teacher_sft.train.max_steps=1000
 FULL_PARAMS := $(FULL_PARAMS),teacher_rl.train.max_steps=240,cft.train.max_steps=600
 FULL_PARAMS := $(FULL_PARAMS),opd.train.max_steps=24,rl.train.max_steps=112
