@@ -1,0 +1,123 @@
+"""The user-facing text describes the system as it is; its history lives in docs/experiments.md.
+
+README.md, docs/*.md (but the record of experiments) and the comments of conf/ may not narrate when
+what was done: no dates, no work sessions, no issue numbers, no "formerly" / "no longer" / "the
+earlier run". A figure they need cites its evidence with a link to an experiments entry, and every
+such link must name an entry that exists.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+EXPERIMENTS = ROOT / "docs" / "experiments.md"
+
+# Each pattern with the narration it catches. Case-insensitive; chosen to leave ordinary present-tense
+# text alone ("is used to", "no longer than", "earlier points", Kedro's `KedroSession`).
+NARRATION = {
+    "a date": r"\b20\d\d-\d\d-\d\d\b",
+    "a work session": r"\bsession \d+|\bthis session\b",
+    "an issue number": r"\bissues? #?\d+",
+    "'formerly'": r"\bformerly\b",
+    "'used to'": r"(?<!\bis )(?<!\bare )(?<!\bbe )(?<!\bbeing )\bused to\b",
+    "'no longer'": r"\bno longer\b(?! than)",
+    "'was/were changed'": r"\b(?:was|were) changed\b",
+    "'the earlier run / machine / ...'": (
+        r"\bearlier (?:runs?|machines?|rule|behaviou?r|figures?|defaults?|measurements?|sessions?)\b"
+    ),
+    "'the former default / ...'": r"\bformer (?:defaults?|rules?|values?|gates?|settings?|machines?)\b",
+    "'before / until / since <a change>'": r"\b(?:before|until|since) (?:session|issue|commit)\b",
+    "'written here before'": r"\bwritten here before\b",
+    "'(before)'": r"\(before\)",
+    "'the default then / now'": r"\b(?:default|rule|gate) (?:then|now)\b|\bthen in place\b|\bnow the default\b",
+}
+PATTERNS = [(what, re.compile(rx, re.IGNORECASE)) for what, rx in NARRATION.items()]
+
+
+def _files() -> list[Path]:
+    docs = [p for p in sorted((ROOT / "docs").glob("*.md")) if p != EXPERIMENTS]
+    conf = sorted(
+        p for ext in ("*.yml", "*.yaml") for p in (ROOT / "conf").rglob(ext) if "local" not in p.parts
+    )
+    return [ROOT / "README.md", *docs, *conf]
+
+
+def _text(path: Path) -> list[tuple[int, str]]:
+    """(line number, text) to check: every line of Markdown, the comments of a YAML file."""
+    lines = path.read_text(encoding="utf-8").splitlines()
+    if path.suffix == ".md":
+        return list(enumerate(lines, 1))
+    return [(i, line[line.index("#") :]) for i, line in enumerate(lines, 1) if "#" in line]
+
+
+def narration(path: Path) -> list[str]:
+    """``path:line: <what> in '<text>'`` for every line that narrates history."""
+    found = []
+    for number, text in _text(path):
+        for what, pattern in PATTERNS:
+            if pattern.search(text):
+                found.append(f"{path.relative_to(ROOT)}:{number}: {what} in {text.strip()!r}")
+    return found
+
+
+def _anchor(heading: str) -> str:
+    """GitHub's anchor of a Markdown heading: lower case, punctuation dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+@pytest.mark.parametrize("path", _files(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_no_dated_narration(path: Path) -> None:
+    found = narration(path)
+    assert not found, "history belongs in docs/experiments.md:\n" + "\n".join(found)
+
+
+def test_experiments_links_name_entries() -> None:
+    headings = {
+        _anchor(line.lstrip("#")) for line in EXPERIMENTS.read_text().splitlines() if line.startswith("#")
+    }
+    broken = []
+    for path in [*_files(), EXPERIMENTS]:
+        link = re.compile(r"\]\(#([\w\-]+)\)" if path == EXPERIMENTS else r"experiments\.md#([\w\-]+)")
+        for number, text in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            broken += [
+                f"{path.relative_to(ROOT)}:{number}: #{a}" for a in link.findall(text) if a not in headings
+            ]
+    assert not broken, "links to docs/experiments.md entries that do not exist:\n" + "\n".join(broken)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "Session 11 (2026-12-02): the rule changed",
+        "measured in this session",
+        "the 1.6x written here before",
+        "`recall@1_unforced` (formerly `recall@1_free`)",
+        "the rule used to take one pass",
+        "AR steps no longer rebuild it",
+        "on the earlier machine",
+        "the former default",
+        "(issue 28's re-measurement)",
+        "`test_points: 1`, no cap (before)",
+    ],
+)
+def test_patterns_catch_narration(text: str) -> None:
+    assert any(p.search(text) for _, p in PATTERNS)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "Every process opens its own `KedroSession`",
+        "the key is used to look the version up",
+        "an id no longer than 64 characters",
+        "those earlier points are shown as history but never trained on",
+        "decoded before it is served",
+        "the same decoder is then used",
+    ],
+)
+def test_patterns_leave_present_tense_alone(text: str) -> None:
+    assert not any(p.search(text) for _, p in PATTERNS)
