@@ -26,8 +26,9 @@ import torch
 import yaml
 from transformers import AutoTokenizer
 
+from diffusion_gr2.core.evaluate.rankings import stage_metrics
 from diffusion_gr2.core.model.factory import load_model, save_model
-from diffusion_gr2.core.rank.rerank import RerankConfig, rerank_system, select_requests, stage_metrics
+from diffusion_gr2.core.rank.rerank import RerankConfig, rerank_system, select_requests
 from diffusion_gr2.core.train.loop import TrainConfig, train
 from diffusion_gr2.core.train.losses import NOISE_PATTERNS
 from diffusion_gr2.core.train.stages import (

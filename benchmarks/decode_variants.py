@@ -23,8 +23,8 @@ import pandas as pd
 import torch
 from transformers import AutoTokenizer
 
+from diffusion_gr2.core.evaluate.metrics import system_metrics
 from diffusion_gr2.core.model.factory import load_model
-from diffusion_gr2.core.rank.metrics import system_metrics
 from diffusion_gr2.core.rank.rerank import (
     RerankConfig,
     decode_config_for,

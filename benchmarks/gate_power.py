@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from diffusion_gr2.core.rank.metrics import paired_bootstrap
+from diffusion_gr2.core.evaluate.metrics import paired_bootstrap
 
 
 def measured(rankings: Path, a: str, b: str) -> tuple[float, float]:

@@ -11,7 +11,7 @@ import mlflow
 import pandas as pd
 
 from diffusion_gr2.core.bench.benchmark import BENCHMARK_KEYS
-from diffusion_gr2.core.rank.rerank import stage_metrics
+from diffusion_gr2.core.evaluate.rankings import stage_metrics
 from tests.conftest import PROJECT_ROOT, run_kedro
 
 SYSTEMS = ("prerank", "ar_sft", "ar_rl", "naive", "cft", "opd", "rl")

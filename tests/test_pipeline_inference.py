@@ -11,7 +11,8 @@ import pytest
 import torch
 from transformers import PreTrainedTokenizerFast
 
-from diffusion_gr2.core.rank.rerank import RerankConfig, select_requests, stage_metrics
+from diffusion_gr2.core.evaluate.rankings import stage_metrics
+from diffusion_gr2.core.rank.rerank import RerankConfig, select_requests
 from diffusion_gr2.pipelines.inference.nodes import _timed_speeds, make_rerank_node, rerank_prerank
 from tests.core.model.tiny import tiny_model_for
 from tests.core.rank.world import make_world

@@ -16,8 +16,8 @@ import pytest
 import torch
 from nbclient import NotebookClient
 
-from diffusion_gr2.core.rank.metrics import REASONING_METRICS
-from diffusion_gr2.core.rank.report import BENCHMARK_COLUMNS, STAGE_COLUMNS
+from diffusion_gr2.core.evaluate.metrics import REASONING_METRICS
+from diffusion_gr2.core.evaluate.report import BENCHMARK_COLUMNS, STAGE_COLUMNS
 from tests.conftest import PROJECT_ROOT, run_kedro
 
 NOTEBOOKS = sorted((PROJECT_ROOT / "notebooks").glob("*.ipynb"))

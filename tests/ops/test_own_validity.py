@@ -13,8 +13,9 @@ import pytest
 
 from diffusion_gr2.core.decode.decoder import DecodeOutput
 from diffusion_gr2.core.decode.grammar import answer_grammars
+from diffusion_gr2.core.evaluate.rankings import stage_metrics
 from diffusion_gr2.core.rank import rerank as rerank_module
-from diffusion_gr2.core.rank.rerank import rerank, stage_metrics
+from diffusion_gr2.core.rank.rerank import rerank
 from diffusion_gr2.core.text.prompt import build_messages, render_answer
 from diffusion_gr2.core.text.tokenizer import IM_END, encode_prompt
 from diffusion_gr2.core.tracking.gate import score

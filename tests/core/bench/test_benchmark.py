@@ -28,8 +28,8 @@ from diffusion_gr2.core.bench.benchmark import (
 )
 from diffusion_gr2.core.bench.harness import Call, calls_per_round, statistic
 from diffusion_gr2.core.decode.decoder import decode
+from diffusion_gr2.core.evaluate.plots import speedup_by_batch_figure, speedup_by_length_figure
 from diffusion_gr2.core.rank.operating_point import refused_operating_point
-from diffusion_gr2.core.rank.plots import speedup_by_batch_figure, speedup_by_length_figure
 from diffusion_gr2.core.rank.rerank import RerankConfig, decode_config_for, request_grammars
 from diffusion_gr2.core.text.tokenizer import IM_END
 from tests.core.model.tiny import tiny_model_for

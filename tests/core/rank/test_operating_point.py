@@ -9,7 +9,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from diffusion_gr2.core.rank.metrics import paired_bootstrap
+from diffusion_gr2.core.evaluate.metrics import paired_bootstrap
 from diffusion_gr2.core.rank.operating_point import (
     OperatingPointError,
     choose_operating_point,

@@ -14,23 +14,25 @@ import torch
 from transformers import PreTrainedTokenizerFast
 
 from diffusion_gr2.core.decode.decoder import DecodeOutput
-from diffusion_gr2.core.rank.metrics import METRICS
-from diffusion_gr2.core.rank.plots import metric_figure, valid_rate_figure
-from diffusion_gr2.core.rank.rerank import (
-    RANKING_COLUMNS,
+from diffusion_gr2.core.evaluate.metrics import METRICS
+from diffusion_gr2.core.evaluate.plots import metric_figure, valid_rate_figure
+from diffusion_gr2.core.evaluate.rankings import (
     EvaluationConfig,
-    RerankConfig,
     compare_systems,
-    decode_config_for,
     eval_metrics,
     metrics_markdown,
+    stage_metrics,
+)
+from diffusion_gr2.core.rank.rerank import (
+    RANKING_COLUMNS,
+    RerankConfig,
+    decode_config_for,
     prerank_rows,
     ranking_rows,
     request_grammars,
     rerank,
     rerank_system,
     select_requests,
-    stage_metrics,
 )
 from diffusion_gr2.core.text.parser import DUPLICATE_ID, INVALID_JSON, OK
 from diffusion_gr2.core.text.prompt import render_answer

@@ -18,7 +18,7 @@ from typing import Any
 
 import pandas as pd
 
-from diffusion_gr2.core.rank.metrics import paired_bootstrap, request_key, user_values
+from diffusion_gr2.core.evaluate.metrics import paired_bootstrap, request_key, user_values
 
 __all__ = [
     "OperatingPointError",

@@ -12,7 +12,7 @@ from typing import Literal
 import numpy as np
 import pandas as pd
 
-from diffusion_gr2.core.rank.metrics import ndcg_at_k, recall_at_k, target_ranks
+from diffusion_gr2.core.evaluate.metrics import ndcg_at_k, recall_at_k, target_ranks
 
 ScoreFn = Callable[[Sequence[Sequence[int]]], np.ndarray]  # histories -> [u, i] scores, history at -inf
 

@@ -34,7 +34,7 @@ from typing import Any
 import pandas as pd
 
 from diffusion_gr2.core.bench.harness import TimedRate, TimedSystem, round_rates, speedup, time_rounds
-from diffusion_gr2.core.rank.metrics import paired_bootstrap
+from diffusion_gr2.core.evaluate.metrics import paired_bootstrap
 from diffusion_gr2.core.tracking.serving import Ranker, RequestError, parse_request
 
 logger = logging.getLogger(__name__)

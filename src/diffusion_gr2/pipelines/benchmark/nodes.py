@@ -10,8 +10,9 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
 from diffusion_gr2.core.bench.benchmark import BenchmarkConfig, benchmark_requests
-from diffusion_gr2.core.rank.plots import speedup_by_batch_figure, speedup_by_length_figure
-from diffusion_gr2.core.rank.rerank import RerankConfig, system_key
+from diffusion_gr2.core.evaluate.plots import speedup_by_batch_figure, speedup_by_length_figure
+from diffusion_gr2.core.evaluate.rankings import system_key
+from diffusion_gr2.core.rank.rerank import RerankConfig
 from diffusion_gr2.core.tracking.mlflow_utils import as_metrics_history
 
 MEASURED = (

@@ -10,23 +10,23 @@ import pandas as pd
 from matplotlib.figure import Figure
 from transformers import PreTrainedTokenizerFast
 
-from diffusion_gr2.core.rank.metrics import REASONING_METRICS, prompt_contexts, reasoning_metrics
-from diffusion_gr2.core.rank.plots import metric_figure, valid_rate_figure
-from diffusion_gr2.core.rank.report import (
-    ReportInputs,
-    decoding_stats,
-    load_training_curves,
-    markdown_to_html,
-    render_markdown,
-    report_figures,
-)
-from diffusion_gr2.core.rank.rerank import (
+from diffusion_gr2.core.evaluate.metrics import REASONING_METRICS, prompt_contexts, reasoning_metrics
+from diffusion_gr2.core.evaluate.plots import metric_figure, valid_rate_figure
+from diffusion_gr2.core.evaluate.rankings import (
     EvaluationConfig,
     compare_systems,
     eval_metrics,
     metrics_markdown,
     stage_metrics,
     system_key,
+)
+from diffusion_gr2.core.evaluate.report import (
+    ReportInputs,
+    decoding_stats,
+    load_training_curves,
+    markdown_to_html,
+    render_markdown,
+    report_figures,
 )
 from diffusion_gr2.core.tracking.mlflow_utils import as_metrics_history
 

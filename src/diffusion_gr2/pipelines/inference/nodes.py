@@ -24,7 +24,8 @@ import pandas as pd
 from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
 from diffusion_gr2.core.bench.benchmark import BenchmarkConfig, ranked_speed, time_candidates
-from diffusion_gr2.core.rank.metrics import user_values
+from diffusion_gr2.core.evaluate.metrics import user_values
+from diffusion_gr2.core.evaluate.rankings import rankings_summary
 from diffusion_gr2.core.rank.operating_point import (
     OperatingPointError,
     choose_operating_point,
@@ -37,7 +38,6 @@ from diffusion_gr2.core.rank.rerank import (
     RerankConfig,
     prepare_model,
     prerank_rows,
-    rankings_summary,
     request_grammars,
     rerank_system,
     select_requests,

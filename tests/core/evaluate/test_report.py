@@ -9,7 +9,7 @@ import mlflow
 import pandas as pd
 import pytest
 
-from diffusion_gr2.core.rank import report as R
+from diffusion_gr2.core.evaluate import report as R
 
 CI = {
     m: [0.1, 0.6]

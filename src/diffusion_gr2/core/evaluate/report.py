@@ -23,8 +23,8 @@ import pandas as pd
 from markdown_it import MarkdownIt
 from matplotlib.figure import Figure
 
-from diffusion_gr2.core.rank.metrics import REASONING_METRICS
-from diffusion_gr2.core.rank.plots import (
+from diffusion_gr2.core.evaluate.metrics import REASONING_METRICS
+from diffusion_gr2.core.evaluate.plots import (
     frontier_figure,
     own_valid_rate_figure,
     speedup_by_batch_figure,
@@ -453,7 +453,7 @@ def _reasoning_section(inputs: ReportInputs) -> str:
             "explanation tokens"]  # fmt: skip
     return (
         f"## Reasoning quality ({inputs.split}, `reasoning_metrics.json`; no LLM judge)\n\n"
-        "Per answer, from its text and its prompt alone (`core/rank/metrics.py`). *grounded*: the "
+        "Per answer, from its text and its prompt alone (`core/evaluate/metrics.py`). *grounded*: the "
         "explanation cites at least one SID and every SID-token run it writes is a SID shown in the "
         "prompt (history or candidates); a truncated or repeated SID counts as not shown. *pick = "
         "ranking #1*: the stated top pick, i.e. the first candidate SID the explanation cites (the "

@@ -9,8 +9,8 @@ import pandas as pd
 import pytest
 import torch
 
-from diffusion_gr2.core.rank import metrics as M
-from diffusion_gr2.core.rank.rerank import stage_metrics
+from diffusion_gr2.core.evaluate import metrics as M
+from diffusion_gr2.core.evaluate.rankings import stage_metrics
 
 PRE = [10, 11, 12, 13, 14, 15]
 ROWS = [
