@@ -9,21 +9,14 @@ from pathlib import Path
 
 import pytest
 
+from diffusion_gr2.core.evaluate.metrics import METRICS
 from diffusion_gr2.core.evaluate.results import ResultsError, results_markdown
 
 
 def stage(system: str, tau: float | None, window: int | None, r1: float, own: float, n: int = 100) -> dict:
-    return {
-        "system": system,
-        "tau": tau,
-        "window": window,
-        "split": "test",
-        "n": n,
-        "recall@1": r1,
-        "valid_rate": 1.0,
-        "unforced_rate": own,
-        "ci": {"recall@1": [r1 - 0.05, r1 + 0.05]},
-    }
+    figures = {m: r1 for m in METRICS} | {"recall@1": r1, "valid_rate": 1.0, "unforced_rate": own}
+    ci = {m: [v - 0.05, v + 0.05] for m, v in figures.items()}
+    return {"system": system, "tau": tau, "window": window, "split": "test", "n": n, **figures, "ci": ci}
 
 
 def paired(system: str, tau: float | None, baseline: str, diff: float) -> dict:
@@ -160,3 +153,19 @@ def test_the_command_prints_the_table_and_fails_clearly_without_a_run(tmp_path: 
     done = subprocess.run([*command, str(empty)], capture_output=True, text=True, check=False)
     assert done.returncode == 1 and done.stderr.strip().endswith("(the results come from a run)")
     assert "Traceback" not in done.stderr
+
+
+def test_the_report_starts_with_the_same_table(tmp_path: Path) -> None:
+    from diffusion_gr2.core.evaluate.report import ReportInputs, render_markdown
+    from diffusion_gr2.core.evaluate.results import results_table
+
+    folder = reporting(tmp_path)
+    (folder / "benchmark.json").unlink()  # the report's own benchmark section wants full rows
+    read = {n: json.loads((folder / f"{n}.json").read_text()) for n in ("stage_metrics", "comparisons")}
+    points = json.loads((folder / "operating_point.json").read_text())
+    inputs = ReportInputs(read["stage_metrics"], read["comparisons"], [], [], points)
+    report = render_markdown(inputs, {})
+    table = results_table(read["stage_metrics"], read["comparisons"], points, None)
+    first = report.index("\n## ")
+    assert report[first:].startswith("\n## Results\n\n" + table)
+    assert table in results_markdown(folder)

@@ -31,6 +31,7 @@ from diffusion_gr2.core.evaluate.plots import (
     speedup_by_length_figure,
     training_curves_figure,
 )
+from diffusion_gr2.core.evaluate.results import results_table
 
 logger = logging.getLogger(__name__)
 
@@ -587,6 +588,9 @@ def render_markdown(inputs: ReportInputs, figures: Mapping[str, Figure]) -> str:
         "# Diffusion-GR2 run report",
         "What the run gains and what it gives up, from its own files "
         f"(`data/08_reporting/`); reported split: `{inputs.split}`.",
+        "## Results\n\n"
+        + results_table(inputs.stage_metrics, inputs.comparisons, inputs.operating_point, inputs.benchmark)
+        + "\nThe same table, with the run's date, commit, machine and minutes: `make results`.",
         _inputs_section(inputs),
         _stage_section(inputs),
         _comparison_section(inputs),

@@ -21,7 +21,7 @@ from typing import Any
 
 from diffusion_gr2.core.bench.harness import speedup
 
-__all__ = ["ResultsError", "results_markdown"]
+__all__ = ["ResultsError", "results_markdown", "results_table"]
 
 AR_ROWS = ("ar_rl", "ar_sft", "generate")  # benchmark rows decoded one token a forward (no tau)
 SPEED_BATCHES = (1, 16)
@@ -130,8 +130,13 @@ def _speed_cells(bench: Sequence[Mapping[str, Any]] | None, system: str, tau: An
     if one is None or fastest is None:
         cells.append("-")
     else:
-        ratio = speedup(one["tokens_per_s_by_round"], fastest["tokens_per_s_by_round"])
-        cells.append(f"{_interval(ratio.value, ratio.low, ratio.high, 2)}x ({fastest['system']})")
+        rounds = [r.get("tokens_per_s_by_round") for r in (one, fastest)]
+        if all(rounds):  # paired by round, with its interval
+            ratio = speedup(*rounds)
+            cells.append(f"{_interval(ratio.value, ratio.low, ratio.high, 2)}x ({fastest['system']})")
+        else:  # rows without their rounds: the ratio of the two rates alone
+            value = one["output_tokens_per_s"] / fastest["output_tokens_per_s"]
+            cells.append(f"{value:.2f}x ({fastest['system']})")
     return cells
 
 
@@ -168,17 +173,18 @@ def _run_line(times: Mapping[str, Any] | None) -> str:
     )
 
 
-def results_markdown(folder: str | Path) -> str:
-    """The results table of the run whose reports are in `folder` (`data/08_reporting`)."""
-    folder = Path(folder)
-    stages = _read(folder, "stage_metrics.json")
-    paired = _read(folder, "comparisons.json")
-    points = _read(folder, "operating_point.json", required=False)
-    bench = _read(folder, "benchmark.json", required=False)
-    times = _read(folder, "node_times.json", required=False)
+def results_table(
+    stages: Sequence[Mapping[str, Any]],
+    paired: Sequence[Mapping[str, Any]],
+    points: Mapping[str, Any] | None,
+    bench: Sequence[Mapping[str, Any]] | None,
+) -> str:
+    """The table and its note, from the run's `stage_metrics`, `comparisons`, `operating_point` and
+    `benchmark` (None: not run); what `results_markdown` and the report's first section show."""
     head = (
-        "| system | operating point | requests | test R@1 [95%] | vs ar_rl (paired) | vs pre-rank (paired) | own valid "
-        "| served valid | tokens/forward | speed-up vs ar_rl, batch 1 | batch 16 | vs fastest AR, batch 1 |"
+        "| system | operating point | requests | test R@1 [95%] | vs ar_rl (paired) | vs pre-rank (paired) "
+        "| own valid | served valid | tokens/forward | speed-up vs ar_rl, batch 1 | batch 16 "
+        "| vs fastest AR, batch 1 |"
     )
     lines = [head, "|" + "---|" * 12]
     for system, tau, window, text in _served(points):
@@ -194,12 +200,7 @@ def results_markdown(folder: str | Path) -> str:
         row = _stage(stages, system, tau, window)
         if row is None:
             continue
-        cells = [
-            system,
-            text,
-            str(row["n"]),
-            _interval(row["recall@1"], *row["ci"]["recall@1"]),
-        ]
+        cells = [system, text, str(row["n"]), _interval(row["recall@1"], *row["ci"]["recall@1"])]
         for baseline in ("ar_rl", "prerank"):
             diff = None if system == baseline else _paired(paired, system, tau, window, baseline)
             cells.append(
@@ -211,8 +212,21 @@ def results_markdown(folder: str | Path) -> str:
     ar = _stage(stages, "ar_rl", None, None)
     size = "" if ar is None else f" ({ar['n']} requests)"
     note = (
-        f"Test split{size}; paired differences on the requests both answered; intervals resample users; speed-ups "
-        "are medians of per-round ratios under the answer grammar, with their sign-test intervals "
-        "(`benchmark.json` `statistic`). Own valid: answers decoded without the grammar that it accepts."
+        f"Test split{size}; paired differences on the requests both answered; intervals resample users; "
+        "speed-ups are medians of per-round ratios under the answer grammar, with their sign-test "
+        "intervals (`benchmark.json` `statistic`). Own valid: answers decoded without the grammar that "
+        "it accepts."
     )
-    return "\n".join([*lines, "", note, "", _run_line(times)]) + "\n"
+    return "\n".join([*lines, "", note]) + "\n"
+
+
+def results_markdown(folder: str | Path) -> str:
+    """The results table of the run whose reports are in `folder` (`data/08_reporting`), and its run line."""
+    folder = Path(folder)
+    table = results_table(
+        _read(folder, "stage_metrics.json"),
+        _read(folder, "comparisons.json"),
+        _read(folder, "operating_point.json", required=False),
+        _read(folder, "benchmark.json", required=False),
+    )
+    return table + "\n" + _run_line(_read(folder, "node_times.json", required=False)) + "\n"
