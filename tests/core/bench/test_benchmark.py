@@ -154,6 +154,7 @@ def _row(rows, system, batch_size=1, constrained=False, **match):
 
 def test_benchmark_keys_are_designs_plus_window_operating_point_and_the_interval() -> None:
     extra = {"speedup_vs_ar_low", "speedup_vs_ar_high", "statistic", "tokens_per_s_by_round"}
+    extra |= {"speedup_vs_best_ar", "speedup_vs_best_ar_low", "speedup_vs_best_ar_high", "best_ar"}
     assert set(BENCHMARK_KEYS) == DESIGN_KEYS | {"window", "operating_point"} | extra
     assert len(BENCHMARK_KEYS) == len(set(BENCHMARK_KEYS))
 
@@ -247,6 +248,58 @@ def test_speedup_is_the_ratio_to_ar_rl_at_the_same_batch_size_and_grammar_flag()
     assert bounds == pytest.approx([1.0] * 6 + [3.0, 3.0, 1.5, 1.5])  # the same ratio every round
     assert (out[5]["speedup_vs_ar_low"], out[5]["speedup_vs_ar_high"]) == pytest.approx((2.0, 2.4))
     assert out[6]["speedup_vs_ar_low"] is None and out[6]["speedup_vs_ar_high"] is None
+
+
+def test_prompt_lookup_rows_decode_the_same_tokens_and_the_best_ar_row_is_named(world) -> None:
+    """`ar_rl+pld` at every batch size, both flags; `generate+pld` at batch 1, free only (the library's
+    own); the same output lengths as plain `ar_rl` (lossless; tokens pinned in test_draft.py)."""
+    tokenizer, prompts, grammars = world
+    ar = tiny_model_for(tokenizer)
+    result = _bench(
+        {"ar_rl": ar},
+        tokenizer,
+        prompts,
+        grammars=grammars,
+        max_new=16,
+        batch_sizes=(1, 2),
+        constrained=(True, False),
+        prompt_lookup_tokens=3,
+    )
+    names = {(r["system"], r["batch_size"], r["constrained"]) for r in result.rows}
+    assert {("ar_rl+pld", b, c) for b in (1, 2) for c in (True, False)} <= names
+    assert ("generate+pld", 1, False) in names and ("generate+pld", 1, True) not in names
+    for b in (1, 2):
+        for c in (True, False):
+            plain, drafted = _row(result.rows, "ar_rl", b, c), _row(result.rows, "ar_rl+pld", b, c)
+            assert drafted["mean_output_tokens"] == plain["mean_output_tokens"]
+            assert drafted["nfe_per_sample"] <= plain["nfe_per_sample"]
+    hf = _row(result.rows, "generate+pld", 1, False)
+    assert hf["mean_output_tokens"] == _row(result.rows, "ar_rl", 1, False)["mean_output_tokens"]
+    assert hf["nfe_per_sample"] is None and hf["tokens_per_forward"] is None  # generate does not count
+    for r in result.rows:
+        ar_rows = [
+            x
+            for x in result.rows
+            if x["batch_size"] == r["batch_size"]
+            and x["constrained"] == r["constrained"]
+            and x["tau"] is None
+        ]
+        fastest = max(ar_rows, key=lambda x: x["output_tokens_per_s"])
+        assert r["best_ar"] == fastest["system"] and r["speedup_vs_best_ar"] is not None
+    assert "ar_rl+pld" in format_table(result.rows)
+
+
+def test_the_best_ar_speedup_is_paired_with_the_fastest_ar_row() -> None:
+    def row(system, tps, drift=(1.0, 0.5, 0.8)):
+        rounds = [tps * d for d in drift]
+        rate = sorted(rounds)[1]
+        where = {"batch_size": 1, "constrained": True}
+        return {"system": system, **where, "tokens_per_s_by_round": rounds, "output_tokens_per_s": rate}
+
+    out = add_speedups([row("ar_rl", 10.0), row("ar_rl+pld", 12.5), row("rl", 25.0), row("ar_sft", 99.0)])
+    rl = out[2]
+    assert rl["best_ar"] == "ar_rl+pld" and rl["speedup_vs_best_ar"] == pytest.approx(2.0)
+    assert rl["speedup_vs_ar"] == pytest.approx(2.5)  # ar_sft is another model: never the best AR row
 
 
 def test_speedups_in_a_run_come_from_the_same_runs_reference_rows(world) -> None:

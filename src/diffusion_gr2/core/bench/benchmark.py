@@ -95,6 +95,7 @@ __all__ = [
 ]
 
 GENERATE = "generate"  # row name of `transformers` `generate` on the reference system's weights
+PROMPT_LOOKUP = "+pld"  # row-name suffix of a lossless prompt-lookup row (`ar_rl+pld`, `generate+pld`)
 BENCHMARK_KEYS = (
     "system",
     "tau",
@@ -113,6 +114,10 @@ BENCHMARK_KEYS = (
     "speedup_vs_ar",
     "speedup_vs_ar_low",
     "speedup_vs_ar_high",
+    "speedup_vs_best_ar",
+    "speedup_vs_best_ar_low",
+    "speedup_vs_best_ar_high",
+    "best_ar",
     "statistic",
     "tokens_per_s_by_round",
 )  # DESIGN §10 keys of a `benchmark.json` row, plus `window`, `operating_point`, the speed-up's
@@ -154,6 +159,12 @@ class BenchmarkConfig:
     # row itself. () = no length sweep.
     length_budgets: tuple[int, ...] = (64, 80, 96)
     reference: str = "ar_rl"  # speed-ups are relative to this (AR) system; `generate` runs its weights
+    # Lossless prompt-lookup rows: `<reference>+pld` (our decoder, `DecodeConfig.draft="prompt"`) at the
+    # reference's batch sizes, and `generate+pld` (`transformers`' `prompt_lookup_num_tokens`: batch 1
+    # and free only, as the library allows: its candidates would advance a grammar processor's state
+    # past tokens it then rejects), drafting this many tokens; None = no such rows.
+    # `speedup_vs_best_ar` compares every row with the fastest of the reference's AR rows there.
+    prompt_lookup_tokens: int | None = None
 
     @classmethod
     def from_params(cls, timing: Mapping[str, Any]) -> BenchmarkConfig:
@@ -181,10 +192,16 @@ class TimedSetting:
     batch_size: int
     operating_point: bool  # as served: AR rows, `generate`, a diffusion system at its chosen (tau, window)
     budget: int | None = None  # max_new_tokens of the length sweep; None = the decoding's own
+    draft_tokens: int | None = None  # AR prompt lookup (lossless): draft tokens per forward; None = off
 
     @property
     def key(self) -> tuple[str, float | None, int | None, bool, int, int | None]:
-        return self.system, self.tau, self.window, self.constrained, self.batch_size, self.budget
+        return self.name, self.tau, self.window, self.constrained, self.batch_size, self.budget
+
+    @property
+    def name(self) -> str:
+        """The row's system name: `ar_rl`, or `ar_rl+pld` for its prompt-lookup line."""
+        return self.system + (PROMPT_LOOKUP if self.draft_tokens else "")
 
 
 @dataclass(frozen=True)
@@ -229,6 +246,16 @@ def plan_settings(
     if config.reference in systems:
         flags = tuple(c for c in config.constrained if not c or config.generate_constrained)
         lines.append((GENERATE, None, None, True, config.batch_sizes_of(GENERATE), flags))
+    drafted: list[TimedSetting] = []
+    if config.reference in systems and config.prompt_lookup_tokens:
+        k = int(config.prompt_lookup_tokens)
+        for constrained in config.constrained:
+            sizes = config.batch_sizes_of(config.reference)
+            drafted += [
+                TimedSetting(config.reference, None, None, constrained, b, True, None, k) for b in sizes
+            ]
+            if not constrained:
+                drafted.append(TimedSetting(GENERATE, None, None, constrained, 1, True, None, k))
     for system in (s for s in systems if s not in AR_SYSTEMS):
         try:
             tau, window = resolve_operating_point(points, system)
@@ -248,7 +275,9 @@ def plan_settings(
             for b in sizes:
                 setting = TimedSetting(system, tau, window, constrained, b, point)
                 settings.setdefault(setting.key, setting)  # the first (operating-point) line wins
-    return list(settings.values())
+    ar = [s for s in settings.values() if s.tau is None]
+    rest = [s for s in settings.values() if s.tau is not None]
+    return [*ar, *drafted, *rest]
 
 
 def plan_length_settings(settings: Sequence[TimedSetting], config: BenchmarkConfig) -> list[TimedSetting]:
@@ -256,7 +285,7 @@ def plan_length_settings(settings: Sequence[TimedSetting], config: BenchmarkConf
     or the `unserved_tau` line of a system without one; not `generate`), once per budget."""
     lines: dict[str, TimedSetting] = {}
     for s in settings:
-        if s.batch_size != 1 or not s.constrained or s.system == GENERATE:
+        if s.batch_size != 1 or not s.constrained or s.system == GENERATE or s.draft_tokens:
             continue
         unserved = (
             config.unserved_tau is not None and s.tau == float(config.unserved_tau) and s.window is None
@@ -287,13 +316,18 @@ def make_runner(
     rerank = replace(
         decoding, batch_size=setting.batch_size, max_new_tokens=setting.budget or decoding.max_new_tokens
     )
+    if setting.draft_tokens and setting.system != GENERATE:
+        rerank = replace(rerank, draft="prompt", draft_tokens=int(setting.draft_tokens))
     if setting.system == GENERATE:
         hf_model = models[reference]
         hf_cfg = decode_config_for(hf_model, tokenizer, None, rerank)
+        lookup = setting.draft_tokens
 
-        def run_generate(batch: list[Request]) -> list[tuple[int, int]]:
+        def run_generate(batch: list[Request]) -> list[tuple[int, int | None]]:
             prompts, rows = _unzip(batch, setting.constrained)
-            return [(len(t), len(t)) for t in generate_tokens(hf_model, prompts, hf_cfg, rows)]
+            out = generate_tokens(hf_model, prompts, hf_cfg, rows, prompt_lookup=lookup)
+            # one forward a token, except under prompt lookup, whose forwards `generate` does not count
+            return [(len(t), None if lookup else len(t)) for t in out]
 
         device = hf_model.device
         return TimedSystem(run_generate, setting.batch_size, synchronizer(device)), device
@@ -325,8 +359,9 @@ def summarize(setting: TimedSetting, rounds: Rounds, device: str, backend: str) 
     nfe = [n for c in calls for n in c.nfe]
     latency_ms = np.array([c.latency_s for c in calls]) * 1000.0  # each request waits for its call
     rates = round_rates(rounds)
+    counted = None not in nfe  # `generate+pld` does not say how many forwards it ran
     return {
-        "system": setting.system,
+        "system": setting.name,
         "tau": None if setting.tau is None else float(setting.tau),
         "window": setting.window,
         "operating_point": setting.operating_point,
@@ -334,13 +369,15 @@ def summarize(setting: TimedSetting, rounds: Rounds, device: str, backend: str) 
         "constrained": setting.constrained,
         "backend": backend,
         "output_tokens_per_s": tokens_per_s(rates),
-        "nfe_per_sample": float(np.mean(nfe)),
-        "tokens_per_forward": sum(tokens) / sum(nfe),
+        "nfe_per_sample": float(np.mean(nfe)) if counted else None,
+        "tokens_per_forward": sum(tokens) / sum(nfe) if counted else None,
         "latency_p50_ms": float(np.percentile(latency_ms, 50)),
         "latency_p95_ms": float(np.percentile(latency_ms, 95)),
         "mean_output_tokens": float(np.mean(tokens)),
         "device": device,
         **interval_fields("speedup_vs_ar", None),
+        **interval_fields("speedup_vs_best_ar", None),
+        "best_ar": None,
         "statistic": statistic(len(rounds)),
         "tokens_per_s_by_round": rates,
     }
@@ -348,17 +385,36 @@ def summarize(setting: TimedSetting, rounds: Rounds, device: str, backend: str) 
 
 def add_speedups(rows: Sequence[Mapping[str, Any]], reference: str = "ar_rl") -> list[dict[str, Any]]:
     """`speedup_vs_ar` of every row with its interval: paired by round with `reference`'s row at the
-    same batch size and constrained flag (`harness.speedup`; None when the reference has no such row)."""
-    ref = {
-        (r["batch_size"], r["constrained"]): r["tokens_per_s_by_round"]
-        for r in rows
-        if r["system"] == reference
-    }
+    same batch size and constrained flag (`harness.speedup`; None when the reference has no such row);
+    and `speedup_vs_best_ar` against the fastest AR row of the reference's weights there (`best_ar`
+    names it: plain, `+pld`, `generate` or `generate+pld`)."""
+    ar_names = {reference, reference + PROMPT_LOOKUP, GENERATE, GENERATE + PROMPT_LOOKUP}
+    ref, best = {}, {}
+    for r in rows:
+        where = (r["batch_size"], r["constrained"])
+        if r["system"] == reference:
+            ref[where] = r["tokens_per_s_by_round"]
+        rate = r.get("output_tokens_per_s", float("nan"))
+        if r["system"] in ar_names and rate > best.get(where, {}).get("output_tokens_per_s", -1.0):
+            best[where] = r
     out = []
     for row in rows:
-        base = ref.get((row["batch_size"], row["constrained"]))
+        where = (row["batch_size"], row["constrained"])
+        base, fastest = ref.get(where), best.get(where)
         ratio = None if base is None else speedup(row["tokens_per_s_by_round"], base)
-        out.append({**row, **interval_fields("speedup_vs_ar", ratio)})
+        top = (
+            None
+            if fastest is None
+            else speedup(row["tokens_per_s_by_round"], fastest["tokens_per_s_by_round"])
+        )
+        out.append(
+            {
+                **row,
+                **interval_fields("speedup_vs_ar", ratio),
+                **interval_fields("speedup_vs_best_ar", top),
+                "best_ar": None if fastest is None else fastest["system"],
+            }
+        )
     return out
 
 
@@ -446,7 +502,7 @@ def _samples(setting: TimedSetting, rounds: Rounds) -> list[dict[str, Any]]:
     tau = float("nan") if setting.tau is None else float(setting.tau)
     window = float("nan") if setting.window is None else float(setting.window)
     return [
-        {"system": setting.system, "tau": tau, "window": window}
+        {"system": setting.name, "tau": tau, "window": window}
         | {"output_tokens": c.output_tokens[0], "nfe": c.nfe[0], "latency_s": c.latency_s}
         for r in rounds
         for c in r
@@ -593,9 +649,11 @@ def format_table(rows: Sequence[Mapping[str, Any]]) -> str:
     for r in rows:
         label = ("* " if r["operating_point"] else "  ") + _setting_label(r)
         ratio = _ratio_text(r["speedup_vs_ar"], r["speedup_vs_ar_low"], r["speedup_vs_ar_high"])
+        nfe, per_forward = r["nfe_per_sample"], r["tokens_per_forward"]
         lines.append(
             f"{label:18s} {'on' if r['constrained'] else 'off':>7s} {r['batch_size']:5d} "
-            f"{r['output_tokens_per_s']:9.1f} {r['nfe_per_sample']:10.1f} {r['tokens_per_forward']:7.2f} "
+            f"{r['output_tokens_per_s']:9.1f} {'-' if nfe is None else f'{nfe:.1f}':>10s} "
+            f"{'-' if per_forward is None else f'{per_forward:.2f}':>7s} "
             f"{r['latency_p50_ms']:9.1f} {r['latency_p95_ms']:9.1f} {r['mean_output_tokens']:7.1f} "
             f"{ratio:>18s}  {r['device']}"
         )

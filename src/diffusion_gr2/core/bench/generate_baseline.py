@@ -82,13 +82,18 @@ def generate_tokens(
     prompts: Sequence[Sequence[int]],
     config: DecodeConfig,
     constraints: Sequence[TokenConstraint] | None = None,
+    prompt_lookup: int | None = None,
 ) -> list[list[int]]:
     """Greedy `model.generate` with a KV cache, `config.batch_size` prompts per call, in order.
 
     Uses `config.max_new_tokens`, `eos_token_ids` and `pad_token_id` (left padding, as our decoder);
     each output ends with (and includes) its eos token, as `DecodeOutput.tokens` does. One forward per
     output token, so a row's NFE is its length. `constraints`, one per prompt, are copied, never mutated.
+    `prompt_lookup`: `generate`'s own prompt-lookup decoding with that many draft tokens (lossless;
+    the library allows it at batch 1 only).
     """
+    if prompt_lookup and config.batch_size != 1:
+        raise ValueError(f"generate's prompt lookup decodes one prompt a call, not {config.batch_size}")
     if constraints is not None and len(constraints) != len(prompts):
         raise ValueError(f"{len(prompts)} prompts but {len(constraints)} constraints")
     eos = list(config.eos_token_ids)
@@ -110,6 +115,7 @@ def generate_tokens(
             pad_token_id=config.pad_token_id,
             use_cache=True,
             logits_processor=processors,
+            **({"prompt_lookup_num_tokens": int(prompt_lookup)} if prompt_lookup else {}),
         )  # [b, p + n]
         outputs += [_cut(row, set(eos), config.max_new_tokens) for row in out[:, ids.shape[1] :].tolist()]
     return outputs

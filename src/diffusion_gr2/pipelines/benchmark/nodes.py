@@ -24,6 +24,9 @@ MEASURED = (
     "speedup_vs_ar",
     "speedup_vs_ar_low",
     "speedup_vs_ar_high",
+    "speedup_vs_best_ar",
+    "speedup_vs_best_ar_low",
+    "speedup_vs_best_ar_high",
 )  # what each row logs to MLflow (tokens/s and speed-ups: the harness statistic, row["statistic"])
 
 
@@ -33,9 +36,11 @@ def _cores() -> int:
 
 
 def _metric_name(row: dict[str, Any]) -> str:
-    """`rl.tau0.9.w4.b16.grammar` / `generate.b1.free`: one benchmark row in metric names."""
+    """`rl.tau0.9.w4.b16.grammar` / `ar_rl.pld.b1.free`: one benchmark row in metric names (MLflow
+    allows no `+`)."""
     grammar = "grammar" if row["constrained"] else "free"
-    return f"{system_key(row['system'], row['tau'], row['window'])}.b{row['batch_size']}.{grammar}"
+    system = str(row["system"]).replace("+", ".")
+    return f"{system_key(system, row['tau'], row['window'])}.b{row['batch_size']}.{grammar}"
 
 
 def benchmark_decoding(
