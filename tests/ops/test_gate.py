@@ -221,7 +221,13 @@ def test_the_champion_comparison_gets_a_paired_interval_over_users() -> None:
     numbers = decide(challenger, champion, side([0.0] * 8), prerank, GateConfig(), users)["numbers"]
     assert numbers["recall@1_vs_champion"] == 0.25
     assert 0.0 <= numbers["recall@1_vs_champion.low"] < 0.25 < numbers["recall@1_vs_champion.high"] <= 0.5
-    assert "recall@1_vs_teacher" not in numbers  # with a champion, the champion is the comparison
+    # with a champion the champion is the check; the teacher's paired figures are still reported
+    assert "recall@1_vs_teacher.low" in numbers
+    checked = {
+        c["name"]
+        for c in decide(challenger, champion, side([0.0] * 8), prerank, GateConfig(), users)["checks"]
+    }
+    assert "recall@1_vs_champion.low" in checked and "recall@1_vs_teacher.low" not in checked
 
 
 def test_a_refused_operating_point_registers_nothing(store: str, world: World, tmp_path: Path) -> None:

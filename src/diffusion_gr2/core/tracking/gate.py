@@ -245,9 +245,13 @@ def decide(
         _at_least("valid_rate", challenger["valid_rate"], config.min_valid_rate, "served, under the grammar"),
     ]
     numbers: dict[str, Any] = {}
-    for name, other in (("prerank", prerank), ("champion", champion) if champion else ("teacher", teacher)):
+    # the pre-rank always; the champion when one serves, else (first promotion) the AR teacher; the
+    # teacher's paired figures are reported either way
+    compared = [("prerank", prerank, True), ("teacher", teacher, champion is None)]
+    compared += [("champion", champion, True)] if champion else []
+    for name, other, checked in compared:
         check, figures = _non_inferior(name, challenger, other, config, users)
-        checks.append(check)
+        checks += [check] if checked else []
         numbers |= figures
     checks.append(
         _at_least(
