@@ -289,6 +289,45 @@ def test_prompt_lookup_rows_decode_the_same_tokens_and_the_best_ar_row_is_named(
     assert "ar_rl+pld" in format_table(result.rows)
 
 
+def test_the_diffusion_drafted_row_writes_the_references_tokens_and_counts_as_an_ar_row(world) -> None:
+    """`ar_rl+rl-draft`: rl drafts, ar_rl verifies (tokens pinned in test_draft.py): ar_rl's output
+    lengths in no more forwards, at the drafter's batch sizes under both flags; as a lossless AR row
+    it may be the `best_ar` of the others."""
+    tokenizer, prompts, grammars = world
+    ar = tiny_model_for(tokenizer)
+    result = _bench(
+        {"ar_rl": ar, "rl": tiny_model_for(tokenizer, block_size=4)},
+        tokenizer,
+        prompts,
+        points={"rl": point(0.9, None)},
+        grammars=grammars,
+        max_new=16,
+        batch_sizes=(1, 2),
+        constrained=(True, False),
+        drafter="rl",
+        drafter_tokens=4,
+        drafter_batch_sizes=(1,),
+    )
+    drafted = {(r["batch_size"], r["constrained"]) for r in result.rows if r["system"] == "ar_rl+rl-draft"}
+    assert drafted == {(1, True), (1, False)}
+    for c in (True, False):
+        plain, row = _row(result.rows, "ar_rl", 1, c), _row(result.rows, "ar_rl+rl-draft", 1, c)
+        assert row["mean_output_tokens"] == plain["mean_output_tokens"] and row["tau"] is None
+        assert row["nfe_per_sample"] <= plain["nfe_per_sample"]
+    rows = [
+        {
+            "system": s,
+            "batch_size": 1,
+            "constrained": True,
+            "tokens_per_s_by_round": [t],
+            "output_tokens_per_s": t,
+        }
+        for s, t in (("ar_rl", 10.0), ("ar_rl+rl-draft", 20.0), ("rl", 30.0), ("ar_rl+cft-draft", 15.0))
+    ]
+    assert [r["best_ar"] for r in add_speedups(rows)] == ["ar_rl+rl-draft"] * 4
+    assert add_speedups(rows)[2]["speedup_vs_best_ar"] == pytest.approx(1.5)
+
+
 def test_the_best_ar_speedup_is_paired_with_the_fastest_ar_row() -> None:
     def row(system, tps, drift=(1.0, 0.5, 0.8)):
         rounds = [tps * d for d in drift]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from collections.abc import Iterator, Sequence
 
@@ -175,3 +176,66 @@ def test_drafts_are_refused_where_they_are_not_lossless() -> None:
             decode(model, prompts, cfg)
     with pytest.raises(ValueError, match="draft must be one of"):
         decode(model, prompts, DecodeConfig(draft="ngram"))
+
+
+def _drafter_like(model: PreTrainedModel, mask_id: int, block_size: int = 4) -> PreTrainedModel:
+    """`model`'s weights as a block-diffusion drafter: its first proposal is the target's own next
+    token (the last written token's logit, causal), so every drafted forward writes at least two."""
+    drafter = copy.deepcopy(model)
+    drafter.config.block_size, drafter.config.mask_token_id = block_size, mask_id
+    return drafter
+
+
+@pytest.mark.parametrize("batch_size", [1, 16])
+@pytest.mark.parametrize(("constrained", "jump_forward"), [(True, True), (True, False), (False, True)])
+def test_model_drafts_are_exact(
+    world, batch_size: int, constrained: bool, jump_forward: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A block-diffusion drafter's drafts, verified by the AR target: the target's own greedy tokens,
+    log-probs and corrections, free and under the grammar, alone and 16 rows at once (holes in the
+    drafter's cache counted, so the case is real), from a drafter that shares the target's weights
+    (most first proposals kept: a wrong drafter cache or position would show as fewer forwards saved)
+    and from an unrelated one (most proposals rejected)."""
+    tokenizer, requests = world
+    model = tiny_model_for(tokenizer, num_layers=2)
+    eos = tokenizer.convert_tokens_to_ids(IM_END)
+    cfg = DecodeConfig(
+        max_new_tokens=96, eos_token_ids=(eos,), batch_size=batch_size, jump_forward=jump_forward
+    )
+    prompts = [list(p) for p in requests["prompt_ids"]]
+    grammars = request_grammars(tokenizer, requests) if constrained else None
+    plain = decode(model, prompts, cfg, grammars)
+    holes: list[int] = []
+    with_holes = decoder._with_holes
+
+    def counted(layout, end, rows):  # type: ignore[no-untyped-def]
+        holes.append(sum(rows))
+        return with_holes(layout, end, rows)
+
+    monkeypatch.setattr(decoder, "_with_holes", counted)
+    twin = _drafter_like(model, tokenizer.mask_token_id)
+    unrelated = tiny_model_for(tokenizer, block_size=4, num_layers=2)
+    torch.manual_seed(3)
+    for p in unrelated.parameters():
+        p.data.normal_(0, 0.2)
+    for drafter in (twin, unrelated):
+        drafted = decode(
+            model, prompts, dataclasses.replace(cfg, draft="model", draft_tokens=4), grammars, drafter=drafter
+        )
+        _same(drafted, plain)
+        if drafter is twin and batch_size == 1 and not constrained:  # >= 2 tokens a forward, but the last
+            assert sum(a.nfe for a in drafted) <= 0.6 * sum(b.nfe for b in plain)
+    assert (sum(holes) > 0) == (batch_size > 1)
+
+
+def test_model_drafts_are_refused_without_a_diffusion_drafter(world) -> None:
+    tokenizer, requests = world
+    model = tiny_model_for(tokenizer)
+    prompts = [list(p) for p in requests["prompt_ids"]][:2]
+    cfg = DecodeConfig(max_new_tokens=8, draft="model", draft_tokens=4)
+    with pytest.raises(ValueError, match="a drafter model goes with draft 'model'"):
+        decode(model, prompts, cfg)
+    with pytest.raises(ValueError, match="must be a block-diffusion model"):
+        decode(model, prompts, cfg, drafter=tiny_model_for(tokenizer))
+    with pytest.raises(ValueError, match="exceeds the drafter's block size 2"):
+        decode(model, prompts, cfg, drafter=tiny_model_for(tokenizer, block_size=2))

@@ -96,6 +96,8 @@ __all__ = [
 
 GENERATE = "generate"  # row name of `transformers` `generate` on the reference system's weights
 PROMPT_LOOKUP = "+pld"  # row-name suffix of a lossless prompt-lookup row (`ar_rl+pld`, `generate+pld`)
+# row-name suffix of the reference verifying a diffusion system's drafts (`ar_rl+rl-draft`)
+DRAFTED_BY = "+{}-draft"
 BENCHMARK_KEYS = (
     "system",
     "tau",
@@ -165,6 +167,13 @@ class BenchmarkConfig:
     # past tokens it then rejects), drafting this many tokens; None = no such rows.
     # `speedup_vs_best_ar` compares every row with the fastest of the reference's AR rows there.
     prompt_lookup_tokens: int | None = None
+    # The lossless diffusion-drafted row `<reference>+<drafter>-draft`: this diffusion system drafts
+    # `drafter_tokens` tokens in one forward of its own, the reference verifies them in one forward
+    # (`DecodeConfig.draft="model"`): the reference's own tokens. At `drafter_batch_sizes`, both
+    # flags of `constrained`; None = no such row. It counts as one of the reference's AR rows.
+    drafter: str | None = None
+    drafter_tokens: int = 4
+    drafter_batch_sizes: tuple[int, ...] = (1,)
 
     @classmethod
     def from_params(cls, timing: Mapping[str, Any]) -> BenchmarkConfig:
@@ -192,7 +201,8 @@ class TimedSetting:
     batch_size: int
     operating_point: bool  # as served: AR rows, `generate`, a diffusion system at its chosen (tau, window)
     budget: int | None = None  # max_new_tokens of the length sweep; None = the decoding's own
-    draft_tokens: int | None = None  # AR prompt lookup (lossless): draft tokens per forward; None = off
+    draft_tokens: int | None = None  # AR drafts (lossless): draft tokens per forward; None = off
+    drafter: str | None = None  # the diffusion system writing the drafts; None = prompt lookup
 
     @property
     def key(self) -> tuple[str, float | None, int | None, bool, int, int | None]:
@@ -200,7 +210,10 @@ class TimedSetting:
 
     @property
     def name(self) -> str:
-        """The row's system name: `ar_rl`, or `ar_rl+pld` for its prompt-lookup line."""
+        """The row's system name: `ar_rl`, `ar_rl+pld` for its prompt-lookup line, `ar_rl+rl-draft`
+        for rl's drafts verified by ar_rl."""
+        if self.drafter is not None:
+            return self.system + DRAFTED_BY.format(self.drafter)
         return self.system + (PROMPT_LOOKUP if self.draft_tokens else "")
 
 
@@ -256,6 +269,13 @@ def plan_settings(
             ]
             if not constrained:
                 drafted.append(TimedSetting(GENERATE, None, None, constrained, 1, True, None, k))
+    if config.reference in systems and config.drafter in systems:
+        k, ref = int(config.drafter_tokens), config.reference
+        drafted += [
+            TimedSetting(ref, None, None, constrained, b, True, None, k, config.drafter)
+            for constrained in config.constrained
+            for b in config.drafter_batch_sizes
+        ]
     for system in (s for s in systems if s not in AR_SYSTEMS):
         try:
             tau, window = resolve_operating_point(points, system)
@@ -317,7 +337,8 @@ def make_runner(
         decoding, batch_size=setting.batch_size, max_new_tokens=setting.budget or decoding.max_new_tokens
     )
     if setting.draft_tokens and setting.system != GENERATE:
-        rerank = replace(rerank, draft="prompt", draft_tokens=int(setting.draft_tokens))
+        kind = "prompt" if setting.drafter is None else "model"
+        rerank = replace(rerank, draft=kind, draft_tokens=int(setting.draft_tokens))
     if setting.system == GENERATE:
         hf_model = models[reference]
         hf_cfg = decode_config_for(hf_model, tokenizer, None, rerank)
@@ -332,11 +353,12 @@ def make_runner(
         device = hf_model.device
         return TimedSystem(run_generate, setting.batch_size, synchronizer(device)), device
     model = models[setting.system]
+    drafter = None if setting.drafter is None else models[setting.drafter]
     cfg = replace(decode_config_for(model, tokenizer, setting.tau, rerank), window=setting.window)
 
     def run_decode(batch: list[Request]) -> list[tuple[int, int]]:
         prompts, rows = _unzip(batch, setting.constrained)
-        return [(len(o.tokens), o.nfe) for o in decode(model, prompts, cfg, rows)]
+        return [(len(o.tokens), o.nfe) for o in decode(model, prompts, cfg, rows, drafter=drafter)]
 
     return TimedSystem(run_decode, setting.batch_size, synchronizer(model.device)), model.device
 
@@ -387,8 +409,10 @@ def add_speedups(rows: Sequence[Mapping[str, Any]], reference: str = "ar_rl") ->
     """`speedup_vs_ar` of every row with its interval: paired by round with `reference`'s row at the
     same batch size and constrained flag (`harness.speedup`; None when the reference has no such row);
     and `speedup_vs_best_ar` against the fastest AR row of the reference's weights there (`best_ar`
-    names it: plain, `+pld`, `generate` or `generate+pld`)."""
+    names it: plain, `+pld`, `+<drafter>-draft`, `generate` or `generate+pld`: every lossless one)."""
     ar_names = {reference, reference + PROMPT_LOOKUP, GENERATE, GENERATE + PROMPT_LOOKUP}
+    prefix, suffix = (reference + DRAFTED_BY).split("{}")
+    ar_names |= {r["system"] for r in rows if r["system"].startswith(prefix) and r["system"].endswith(suffix)}
     ref, best = {}, {}
     for r in rows:
         where = (r["batch_size"], r["constrained"])

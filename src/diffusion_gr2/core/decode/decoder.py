@@ -73,6 +73,15 @@ log-probs and `forced` are those of plain AR decoding (`test_prompt_lookup_is_ex
 forwards are fewer. Keys of rejected draft tokens leave the cache (`reject`): the columns no row kept
 are cropped, and a row that kept fewer than its neighbours keeps holes there, keys nobody attends to,
 with its later positions moved back (the layout has room for them; drafts shrink when it runs out).
+* `draft: model` (DFlash's shape, a block-diffusion drafter for an AR target): the drafter, e.g. `rl`
+  for `ar_rl`, keeps an exact cache of its own (`_ModelDrafter`) holding the request's clean tokens,
+  causal (a layout of block size 1: what was written is text, whatever its blocks were). Before a
+  verifying forward it runs once: the tokens written since its last forward, then a canvas of
+  `draft_tokens` masks that sees them all and itself (one block); column 0 of the logits (the last
+  written token's) and the token shift give one arg-max token per canvas position, the draft. The
+  canvas leaves its cache again. Rows of a batch that wrote fewer tokens than the most are padded
+  with holes, as above. The verifier is unchanged, so the output is the target's own greedy decode
+  (`test_model_drafts_are_exact`), whatever the drafter proposes; `nfe` counts the target's forwards.
 
 State: one batch's decoding is one `_Batch` (runner, config, generator, end ids, each row's
 constraint, budget, prompt lookup and record); a step's choices are one `_Step`.
@@ -125,7 +134,7 @@ __all__ = [
 
 COMMIT_RULES = ("prefix", "confident", "leftmost")
 BACKENDS = ("auto", "lean", "eager")
-DRAFTS = (None, "prompt")
+DRAFTS = (None, "prompt", "model")
 
 
 @dataclass(frozen=True)
@@ -159,12 +168,15 @@ class DecodeConfig:
     # without the model's say. Diffusion: such positions join the step's run as certain. AR: when
     # every row's next token is forced, it is written without a forward and fed with the next one.
     jump_forward: bool = True
-    # Drafts verified in one forward (AR only, greedy): "prompt" = prompt lookup (module doc); None =
-    # one forward per token. Lossless: the tokens are those of plain decoding, only the forwards fewer.
+    # Drafts verified in one forward (AR only, greedy): "prompt" = prompt lookup, "model" = a
+    # block-diffusion drafter (`decode(..., drafter=...)`) writes them in one forward of its own (module
+    # doc); None = one forward per token. Lossless: the tokens are those of plain decoding, only the
+    # forwards fewer.
     draft: str | None = None
-    # Draft tokens fed per forward at most (transformers' prompt_lookup_num_tokens). 3: on ar_rl (20
-    # test prompts, batch 1) a fourth draft token was kept in 2% (free) / 6% (grammar) of the drafts
-    # that had one, and a CPU forward's cost grows with its width (4 tokens ~1.3x one, 11 ~2x).
+    # Draft tokens fed per forward at most (transformers' prompt_lookup_num_tokens; for "model" the
+    # drafter's canvas, at most its block size). 3: on ar_rl (20 test prompts, batch 1) a fourth
+    # prompt-lookup token was kept in 2% (free) / 6% (grammar) of the drafts that had one, and a CPU
+    # forward's cost grows with its width (4 tokens ~1.3x one, 11 ~2x).
     draft_tokens: int = 3
 
 
@@ -397,6 +409,98 @@ def _with_holes(layout: Layout, end: int, holes: Sequence[int]) -> Layout:
     )
 
 
+class _LookupDrafter:
+    """Draft "prompt": each prompt's n-gram index (`draft.py`), extended as its answer is written."""
+
+    def __init__(self, prompts: Sequence[Sequence[int]]) -> None:
+        self.lookups = [PromptLookup(p) for p in prompts]
+
+    def propose(self, active: Sequence[int]) -> None:
+        """Nothing to run ahead of the drafts: a lookup is a few dict reads (`draft`)."""
+
+    def draft(self, row: int, prompt: int, extra: Sequence[int], m: int) -> list[int]:
+        """Up to `m` tokens after the answer so far plus `extra` (the draft being built)."""
+        return self.lookups[prompt].draft(extra, m)
+
+    def extend(self, prompt: int, tokens: Sequence[int]) -> None:
+        self.lookups[prompt].extend(tokens)
+
+    def keep(self, rows: Sequence[int]) -> None:
+        """Indexed by prompt: finished rows need no bookkeeping."""
+
+
+class _ModelDrafter:
+    """Draft "model": a block-diffusion model proposes each row's next `draft_tokens` in one forward.
+
+    Its own exact cache holds every row's clean tokens, causal (module doc, drafts); `propose` feeds
+    what was written since its last forward (the prompt, first) with a canvas of masks after it and
+    keeps the canvas's arg-max tokens as the rows' proposals; `draft` hands them out. A batch's rows
+    are its runner's rows in `_Batch.active` order (`keep` drops finished ones alongside the target's).
+    When its layout runs out of columns (holes use them up) it proposes nothing for the rest of the
+    batch: decoding goes on one token a forward.
+    """
+
+    def __init__(self, model: PreTrainedModel, ids: Tensor, valid: Tensor, cfg: DecodeConfig) -> None:
+        b, self.m = ids.shape[0], cfg.draft_tokens
+        mask_id = cfg.mask_token_id if cfg.mask_token_id is not None else model.config.mask_token_id
+        self.mask_id, self.pad_id = int(mask_id), cfg.pad_token_id
+        width = (cfg.max_new_tokens + self.m) * (1 if b == 1 else 2)  # batch 1 never leaves holes
+        resp = torch.ones(b, width, dtype=torch.bool, device=ids.device)
+        layout = prompt_response_layout(valid, resp, 1)
+        self.runner = _CachedRunner(model, layout, _lean_forward(model, cfg.backend, layout.length))
+        self.prompt: Tensor | None = ids  # fed with the first canvas
+        self.written: dict[int, list[int]] = {}  # by prompt: tokens written, not fed yet
+        self.proposals: list[list[int]] = [[] for _ in range(b)]
+        self.spent = False  # out of columns
+
+    def propose(self, active: Sequence[int]) -> None:
+        """One drafter forward: each row's unfed tokens (right-padded with holes), then the canvas."""
+        runner, m = self.runner, self.m
+        if self.prompt is not None:
+            clean, self.prompt = self.prompt, None
+            last = [clean.shape[1] - 1] * clean.shape[0]  # left-padded: every row ends in the last column
+        else:
+            new = [self.written.pop(r, []) for r in active]
+            c = max(map(len, new))
+            if self.spent or runner.n + c + m > runner.layout.length:
+                self.spent, self.proposals = True, [[] for _ in active]
+                return
+            clean = torch.tensor(
+                [[*x, *[self.pad_id] * (c - len(x))] for x in new], device=runner.model.device
+            )
+            runner.layout = _with_holes(runner.layout, runner.n + c, [c - len(x) for x in new])
+            last = [len(x) - 1 for x in new]
+        c, start, first = clean.shape[1], runner.n + clean.shape[1], min(last)
+        # the canvas is one block: its columns share the id of its last one (block order, masks.py)
+        causal = runner.layout
+        block = causal.block.clone()
+        block[:, start : start + m] = causal.block[:, start + m - 1 : start + m]
+        runner.layout = replace(causal, block=block)
+        canvas = torch.full((clean.shape[0], m), self.mask_id, device=clean.device)
+        # columns: clean `first` .. c - 1 (each row's first draft token is its last written one's
+        # logit), then canvas 0 .. m - 2 (the token shift)
+        logits = runner.forward(clean, canvas, None, checked=c - 1 - first)
+        runner.layout = causal
+        tokens = logits.argmax(-1).tolist()
+        shift = c - first
+        self.proposals = [
+            [row[j - first], *row[shift : shift + m - 1]] for row, j in zip(tokens, last, strict=True)
+        ]
+
+    def draft(self, row: int, prompt: int, extra: Sequence[int], m: int) -> list[int]:
+        """The rest of batch row `row`'s proposal after `extra`, while `extra` is its beginning."""
+        proposal = self.proposals[row]
+        if list(proposal[: len(extra)]) != list(extra):  # the draft left it (a forced token)
+            return []
+        return proposal[len(extra) : len(extra) + m]
+
+    def extend(self, prompt: int, tokens: Sequence[int]) -> None:
+        self.written.setdefault(prompt, []).extend(tokens)
+
+    def keep(self, rows: Sequence[int]) -> None:
+        self.runner.keep(rows)
+
+
 def _choose(logits: Tensor, cfg: DecodeConfig, gen: torch.Generator) -> tuple[Tensor, Tensor]:
     """Tokens and their log-probs `[...]` from logits `[..., v]` (arg-max, or a seeded sample)."""
     x = logits.float() / cfg.temperature if cfg.do_sample else logits.float()
@@ -413,7 +517,7 @@ def _choose(logits: Tensor, cfg: DecodeConfig, gen: torch.Generator) -> tuple[Te
 class _Batch:
     """One batch's decoding: what every step reads, and what its rows have written so far.
 
-    Batch row i holds prompt `active[i]`; `records`, `constraints` and `lookups` are indexed by
+    Batch row i holds prompt `active[i]`; `records` and `constraints` are indexed by
     prompt, so a finished row leaves `active` (and the runner) and nothing else moves.
     """
 
@@ -423,7 +527,7 @@ class _Batch:
     eos: frozenset[int]
     records: list[_Record]
     constraints: Sequence[TokenConstraint | None] | None  # this batch's copies, advanced as tokens commit
-    lookups: list[PromptLookup] | None  # draft "prompt": each prompt's n-gram index
+    drafter: _LookupDrafter | _ModelDrafter | None  # where drafts come from (`cfg.draft`); None = none
     active: list[int]
     pending: Tensor | None  # clean tokens the cache does not hold yet: the prompt, then each block
     jumped: int = 0  # AR: tokens at the end of `pending` written by jump-forward, not by a forward
@@ -436,8 +540,10 @@ class _Batch:
         cfg: DecodeConfig,
         gen: torch.Generator,
         constraints: Sequence[TokenConstraint | None] | None,
+        drafter: PreTrainedModel | None = None,
     ) -> _Batch:
-        """The batch before its first forward: prompts left-padded, the cache empty."""
+        """The batch before its first forward: prompts left-padded, the cache empty (`drafter`: the
+        model of `cfg.draft == "model"`)."""
         k, dev = cfg.block_size, model.device
         ids, valid = left_pad_prompts(prompts, cfg.pad_token_id, dev)
         # drafts need columns for what they feed, and a batch room for its rows' holes (module doc)
@@ -458,7 +564,13 @@ class _Batch:
             eos=frozenset(cfg.eos_token_ids),
             records=[_Record() for _ in prompts],
             constraints=constraints,
-            lookups=None if cfg.draft is None else [PromptLookup(p) for p in prompts],
+            drafter=(
+                None
+                if cfg.draft is None
+                else _LookupDrafter(prompts)
+                if cfg.draft == "prompt"
+                else _ModelDrafter(drafter, ids, valid, cfg)  # type: ignore[arg-type]  # `_check`ed
+            ),
             active=list(range(len(prompts))),
             pending=ids,
         )
@@ -796,7 +908,8 @@ def _drafts(st: _Batch) -> list[list[int]]:
     does an end token. The continuation of one match is used until it runs out or a forced token
     departs from it; then the lookup runs again on the extended tail.
     """
-    assert st.lookups is not None
+    assert st.drafter is not None
+    st.drafter.propose(st.active)
     room, eos = st.draft_room(), st.eos
     drafts = []
     for i, r in enumerate(st.active):
@@ -808,7 +921,7 @@ def _drafts(st: _Batch) -> list[list[int]]:
         while len(draft) < n and (not draft or draft[-1] not in eos):
             token = None if state is None else state.only(budget - len(draft))
             if token is None:
-                follow = follow or st.lookups[r].draft(draft, n - len(draft))
+                follow = follow or st.drafter.draft(i, r, draft, n - len(draft))
                 allowed = None if state is None or not follow else state.allowed(budget - len(draft))
                 if not follow or (allowed is not None and not bool(allowed[follow[0]])):
                     break
@@ -899,8 +1012,8 @@ def _record_block(st: _Batch, blk: _Block) -> list[int]:
         record.nfe += blk.nfe[i]
         record.forced += blk.forced[i]
         ended = record.add_block(blk.tokens[i], blk.steps[i], blk.logps[i], limit, st.eos)
-        if st.lookups is not None:
-            st.lookups[r].extend(record.tokens[before:])
+        if st.drafter is not None:
+            st.drafter.extend(r, record.tokens[before:])
         if not ended and len(record.tokens) < st.cfg.max_new_tokens:
             keep.append(i)
     return keep
@@ -926,9 +1039,10 @@ def _decode_batch(
     cfg: DecodeConfig,
     gen: torch.Generator,
     constraints: Sequence[TokenConstraint | None] | None = None,
+    drafter: PreTrainedModel | None = None,
 ) -> list[DecodeOutput]:
     """Decode one batch of prompts (each with its own constraint when given); outputs in order."""
-    st = _Batch.start(model, prompts, cfg, gen, constraints)
+    st = _Batch.start(model, prompts, cfg, gen, constraints, drafter)
     k = cfg.block_size
     mask_id = cfg.mask_token_id if k > 1 else cfg.pad_token_id
     assert mask_id is not None
@@ -956,12 +1070,16 @@ def _decode_batch(
         st.pending = written
         if len(keep) < len(st.active) or not st.runner.slots.in_order:  # finished rows leave the batch
             st.runner.keep(keep)
+            if st.drafter is not None:
+                st.drafter.keep(keep)
             st.active = [st.active[i] for i in keep]
     return [r.output() for r in st.records]
 
 
-def _check(config: DecodeConfig, prompts: int, constraints: int | None) -> None:
-    """Refuse a config (or a constraint count) the decoder cannot honour, with the reason."""
+def _check(
+    config: DecodeConfig, prompts: int, constraints: int | None, drafter: PreTrainedModel | None = None
+) -> None:
+    """Refuse a config (or a constraint count, a drafter) the decoder cannot honour, with the reason."""
     if config.block_size > 1 and config.mask_token_id is None:
         raise ValueError("block_size > 1 needs mask_token_id")
     if config.window is not None and config.window < 1:
@@ -977,6 +1095,20 @@ def _check(config: DecodeConfig, prompts: int, constraints: int | None) -> None:
             "drafts need AR greedy decoding (block_size 1, do_sample False) and draft_tokens >= 1, got "
             f"block_size {config.block_size}, do_sample {config.do_sample}, draft_tokens {config.draft_tokens}"
         )
+    if (config.draft == "model") != (drafter is not None):
+        raise ValueError(
+            f"a drafter model goes with draft 'model' and only with it, got draft {config.draft!r}"
+        )
+    if drafter is not None:
+        block = getattr(drafter.config, "block_size", None)
+        if block is None or (
+            config.mask_token_id is None and getattr(drafter.config, "mask_token_id", None) is None
+        ):
+            raise ValueError(
+                "the drafter must be a block-diffusion model (config.block_size and mask_token_id)"
+            )
+        if config.draft_tokens > int(block):
+            raise ValueError(f"draft_tokens {config.draft_tokens} exceeds the drafter's block size {block}")
     if constraints is not None:
         if constraints != prompts:
             raise ValueError(f"{prompts} prompts but {constraints} constraints")
@@ -994,22 +1126,24 @@ def decode(
     config: DecodeConfig,
     constraints: Sequence[TokenConstraint] | None = None,
     progress: Callable[[int], object] | None = None,
+    drafter: PreTrainedModel | None = None,
 ) -> list[DecodeOutput]:
     """Decode every prompt (token ids) with `model`; one `DecodeOutput` per prompt, in order.
 
     The one batching layer: prompts are batched `config.batch_size` at a time, longest first (less
     left padding); greedy results do not depend on the batching. `constraints` (one per prompt,
     copied, never mutated) restrict what each row may write (module doc). `progress` is called with
-    the number of prompts of each batch once it is decoded (a progress bar's `update`).
+    the number of prompts of each batch once it is decoded (a progress bar's `update`). `drafter`:
+    the block-diffusion model that writes the drafts of `config.draft == "model"` (module doc).
     """
-    _check(config, len(prompts), None if constraints is None else len(constraints))
+    _check(config, len(prompts), None if constraints is None else len(constraints), drafter)
     gen = torch.Generator(device=model.device).manual_seed(config.seed)
     order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
     outputs: list[DecodeOutput | None] = [None] * len(prompts)
     for start in range(0, len(order), config.batch_size):
         chunk = order[start : start + config.batch_size]
         rows = None if constraints is None else [constraints[i].copy() for i in chunk]
-        decoded = _decode_batch(model, [list(prompts[i]) for i in chunk], config, gen, rows)
+        decoded = _decode_batch(model, [list(prompts[i]) for i in chunk], config, gen, rows, drafter)
         for i, out in zip(chunk, decoded, strict=True):
             outputs[i] = out
         if progress is not None:
