@@ -46,8 +46,8 @@ def test_the_step_kinds_are_the_decoders_own_steps(model, monkeypatch: pytest.Mo
     seen: list[tuple[int, int, int, int]] = []  # (clean, canvas, lo, logit rows) of each forward
     real = decoder._CachedRunner.forward
 
-    def spy(self, clean, canvas, canvas_valid, lo=0, checked=0):
-        logits = real(self, clean, canvas, canvas_valid, lo, checked)
+    def spy(self, clean, canvas, canvas_valid, lo=0, checked=0, **kw):
+        logits = real(self, clean, canvas, canvas_valid, lo, checked, **kw)
         c, q = (0 if t is None else t.shape[1] for t in (clean, canvas))
         seen.append((c, q, lo, logits.shape[1]))
         return logits

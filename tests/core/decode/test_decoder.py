@@ -367,9 +367,9 @@ def test_rows_done_with_their_block_are_not_computed_and_change_nothing(
     runner = decoder._RecomputeRunner if recompute else _CachedRunner
     forward = runner.forward
 
-    def counted(self, clean, canvas, canvas_valid, lo=0):  # type: ignore[no-untyped-def]
+    def counted(self, clean, canvas, canvas_valid, lo=0, **kw):  # type: ignore[no-untyped-def]
         fed_rows.append((canvas if canvas is not None else clean).shape[0])
-        return forward(self, clean, canvas, canvas_valid, lo)
+        return forward(self, clean, canvas, canvas_valid, lo, **kw)
 
     monkeypatch.setattr(runner, "forward", counted)
     batched = decode(model, prompts, cfg)

@@ -168,7 +168,8 @@ def test_prompt_lookup_cuts_the_forwards_of_a_model_that_copies(
 def test_drafts_are_refused_where_they_are_not_lossless() -> None:
     model, prompts = tiny_model(), random_prompts([5])
     for cfg in (
-        DecodeConfig(block_size=4, mask_token_id=MASK, draft="prompt"),  # diffusion: issue 29, step 3
+        DecodeConfig(block_size=4, mask_token_id=MASK, draft="prompt", commit_rule="confident"),
+        DecodeConfig(block_size=4, mask_token_id=MASK, draft="model"),
         DecodeConfig(do_sample=True, draft="prompt"),
         DecodeConfig(draft="prompt", draft_tokens=0),
     ):
@@ -239,3 +240,47 @@ def test_model_drafts_are_refused_without_a_diffusion_drafter(world) -> None:
         decode(model, prompts, cfg, drafter=tiny_model_for(tokenizer))
     with pytest.raises(ValueError, match="exceeds the drafter's block size 2"):
         decode(model, prompts, cfg, drafter=tiny_model_for(tokenizer, block_size=2))
+
+
+@pytest.mark.parametrize("constrained", [True, False])
+def test_copy_drafts_decode_the_same_cached_and_recomputed(world, constrained: bool) -> None:
+    """Diffusion copy drafts re-block the canvas (each draft seen only by the positions after it):
+    the cache-free runner, which builds the predicate's mask from the same ids, decodes the same,
+    alone and 16 rows at once; and the drafts were used (fewer forwards than without them)."""
+    tokenizer, requests = world
+    model = tiny_model_for(tokenizer, block_size=4, num_layers=2)
+    cfg = DecodeConfig(
+        block_size=4,
+        threshold=0.3,
+        mask_token_id=tokenizer.mask_token_id,
+        max_new_tokens=48,
+        eos_token_ids=(tokenizer.convert_tokens_to_ids(IM_END),),
+        draft="prompt",
+        draft_tokens=3,
+    )
+    prompts = [list(p) for p in requests["prompt_ids"]][:6]
+    grammars = request_grammars(tokenizer, requests)[:6] if constrained else None
+    for b in (1, 16):
+        cached = decode(model, prompts, dataclasses.replace(cfg, batch_size=b), grammars)
+        recomputed = decode(model, prompts, dataclasses.replace(cfg, batch_size=b, recompute=True), grammars)
+        for a, c in zip(cached, recomputed, strict=True):
+            assert (a.tokens, a.commit_steps, a.forced) == (c.tokens, c.commit_steps, c.forced)
+            assert a.token_logprobs == pytest.approx(c.token_logprobs, abs=1e-4)
+
+
+def test_copy_drafts_let_a_copying_model_write_a_block_in_one_forward(copier: PreTrainedModel) -> None:
+    """The copier as a block-diffusion model (block 4, tau 0.99): without drafts it is never that
+    sure of a masked position past the first (it never saw masks) and writes a token a forward;
+    with them the check of each draft reads the drafts before it, causally, as it was trained, and
+    blocks take one or two forwards: the same copies in half the forwards."""
+    diffusion = copy.deepcopy(copier)
+    diffusion.config.block_size, diffusion.config.mask_token_id = 4, MASK
+    gen = torch.Generator().manual_seed(5)
+    prompts = [[*torch.randint(SEP + 1, VOCAB, (COPY,), generator=gen).tolist(), SEP] for _ in range(16)]
+    cfg = DecodeConfig(block_size=4, threshold=0.99, mask_token_id=MASK, max_new_tokens=COPY, batch_size=16)
+    plain = decode(diffusion, prompts, cfg)
+    drafted = decode(diffusion, prompts, dataclasses.replace(cfg, draft="prompt", draft_tokens=3))
+    copies = sum(o.tokens == p[:-1] for o, p in zip(drafted, prompts, strict=True))
+    assert copies >= 14
+    assert [o.nfe for o in plain] == [COPY] * len(prompts)
+    assert sum(o.nfe for o in drafted) <= 5 * len(prompts)  # 3 blocks (10 = 4 + 4 + 2)

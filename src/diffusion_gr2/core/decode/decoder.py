@@ -272,6 +272,7 @@ class _CachedRunner:
         canvas_valid: Tensor | None,
         lo: int = 0,
         checked: int = 0,
+        order: bool = False,
     ) -> Tensor:
         """Logits `[b, m, v]` of the block's tokens `lo .. q - 1` (q = canvas length; m >= 1).
 
@@ -283,7 +284,8 @@ class _CachedRunner:
         nobody attends to, so a row's result never depends on its batch neighbours' windows.
         `checked` (clean part alone): also the logits that predicted the clean part's last `checked`
         tokens, first (AR: jump-forward checks what the model would have written there, and a
-        draft's tokens are verified by the logits that predicted them).
+        draft's tokens are verified by the logits that predicted them). `order`: the canvas's block
+        ids differ (copy drafts, `_draft_order`), so its mask must read them.
         """
         c = 0 if clean is None else clean.shape[1]
         q = 0 if canvas is None else canvas.shape[1]
@@ -295,7 +297,7 @@ class _CachedRunner:
         # The prompt needs the predicate's mask (causal, padded queries); a clean block beside a canvas
         # (it must not see it) and several clean tokens (AR jump-forward: causal) need block order;
         # anything else sees every valid key: a broadcast row.
-        full_mask, block_order = self.n == 0, c > 1 or (c > 0 and q > 0)
+        full_mask, block_order = self.n == 0, order or c > 1 or (c > 0 and q > 0)
         hidden = cached_block_hidden(
             self.model, ids, lay, self.cache, full_mask=full_mask, lean=self.lean, block_order=block_order
         )
@@ -345,6 +347,7 @@ class _RecomputeRunner:
         canvas_valid: Tensor | None,
         lo: int = 0,
         checked: int = 0,
+        order: bool = False,  # the predicate's mask reads block ids anyway
     ) -> Tensor:
         if clean is not None:
             self.seq = clean if self.seq is None else torch.cat([self.seq, clean], 1)
@@ -547,7 +550,11 @@ class _Batch:
         k, dev = cfg.block_size, model.device
         ids, valid = left_pad_prompts(prompts, cfg.pad_token_id, dev)
         # drafts need columns for what they feed, and a batch room for its rows' holes (module doc)
-        room = 0 if cfg.draft is None else cfg.draft_tokens + (cfg.max_new_tokens if len(prompts) > 1 else 0)
+        room = (
+            0
+            if cfg.draft is None or k > 1
+            else cfg.draft_tokens + (cfg.max_new_tokens if len(prompts) > 1 else 0)
+        )
         width = math.ceil(cfg.max_new_tokens / k) * k + room
         layout = prompt_response_layout(
             valid, torch.ones(len(prompts), width, dtype=torch.bool, device=dev), k
@@ -615,13 +622,16 @@ class _Step:
     cands: list[list[bool]]
     chosen: list[list[bool]]
     must_commit: bool  # every candidate is due (AR, the step cap), not only the run's first
-    drafts: list[list[int]] | None = None  # AR verification: a run ends where its token leaves the draft
+    # a run ends where its token leaves the draft: AR verification, or copy drafts (diffusion: per
+    # position of the step, None where nothing was drafted)
+    drafts: Sequence[Sequence[int | None]] | None = None
 
 
-def _agrees(draft: Sequence[int], j: int, token: int, eos: frozenset[int]) -> bool:
+def _agrees(draft: Sequence[int | None], j: int, token: int, eos: frozenset[int]) -> bool:
     """Whether a verified run goes on past position j: the model's token there is the draft's (the
-    draft token was fed, so the next logits follow it), and not an end token."""
-    return j < len(draft) and draft[j] == token and token not in eos
+    draft token was fed, so the next logits follow it), and not an end token. Copy drafts (aligned
+    to the step's positions) hold None where nothing was drafted: no draft to leave there."""
+    return j < len(draft) and draft[j] in (token, None) and token not in eos
 
 
 def _constrain_commits(st: _Batch, step: _Step) -> tuple[list[list[bool]], list[int]]:
@@ -817,13 +827,25 @@ def _run_block(st: _Batch, blk: _Block, limit: int) -> None:
         # left of it is committed in every row, so its logits are not computed)
         q = max(fed)
         lo = 0 if st.pending is not None else max(1, min(min(leftmost), q - 1))
-        canvas = torch.tensor([blk.tokens[r][:q] for r in rows], device=dev)
+        canvas_rows = [blk.tokens[r][:q] for r in rows]
+        copies = None if st.drafter is None or fill else _copy_drafts(st, blk, rows, leftmost, fed)
+        layout = runner.layout
+        if copies is not None:  # drafts are fed as tokens, each seen only by the positions after it
+            for row, left, copy in zip(canvas_rows, leftmost, copies, strict=True):
+                row[left : left + len(copy)] = copy
+            runner.layout = _draft_order(
+                layout, runner.n + (0 if st.pending is None else st.pending.shape[1]), leftmost, copies, q
+            )
+        canvas = torch.tensor(canvas_rows, device=dev)
         canvas_valid = torch.tensor([[j < f for j in range(q)] for f in fed], device=dev)
-        logits = runner.forward(st.pending, canvas, canvas_valid, lo)  # [rows, m, v]
+        logits = runner.forward(
+            st.pending, canvas, canvas_valid, lo, order=copies is not None
+        )  # [rows, m, v]
+        runner.layout = layout
         st.pending = None
         tokens, logps = st.choose(logits)
         m = logits.shape[1]
-        cands, chosen = [], []
+        cands, chosen, drafts = [], [], None if copies is None else []
         for i, r in enumerate(rows):
             cand = [blk.masked[r][j] and j < fed[i] for j in range(lo, lo + m)]
             conf = logps[i]
@@ -831,19 +853,74 @@ def _run_block(st: _Batch, blk: _Block, limit: int) -> None:
                 # canvas; only this forward predicts it: every rule takes it, as if certain
                 cand[0], conf = blk.masked[r][0], [0.0, *conf[1:]]
             cands.append(cand)
+            if copies is not None:  # a draft the model's own token agrees with is certain
+                aligned = [None] * m
+                for t, token in enumerate(copies[i]):
+                    aligned[leftmost[i] + t - lo] = token
+                conf = [
+                    0.0 if d is not None and d == tok else c
+                    for d, tok, c in zip(aligned, tokens[i], conf, strict=True)
+                ]
+                drafts.append(aligned)
             # constrained rows make their run in the constraint walk (it may extend it)
             cut = st.constraint(r) is None
-            chosen.append(_commit_mask(cand, conf, cfg.threshold, fill, cfg.commit_rule, cut=cut))
+            pick = _commit_mask(cand, conf, cfg.threshold, fill, cfg.commit_rule, cut=cut)
+            if copies is not None and cut:  # the run ends at a draft it leaves: later logits read it
+                pick = _until_disagreement(pick, tokens[i], drafts[-1])
+            chosen.append(pick)
         commits = chosen
         if st.constraints is not None:
             commits, fixes = _constrain_commits(
-                st, _Step(rows, lo, logits, tokens, logps, cands, chosen, fill)
+                st, _Step(rows, lo, logits, tokens, logps, cands, chosen, fill, drafts)
             )
             for r, fix in zip(rows, fixes, strict=True):
                 blk.forced[r] += fix
         for i, r in enumerate(rows):
             blk.apply(r, commits[i], tokens[i], logps[i], step, lo)
             blk.nfe[r] += 1
+
+
+def _copy_drafts(
+    st: _Batch, blk: _Block, rows: Sequence[int], leftmost: Sequence[int], fed: Sequence[int]
+) -> list[list[int]]:
+    """Copy drafts (diffusion, draft "prompt"): each row's prompt-lookup continuation of its
+    committed text (the answer so far, then the block's committed prefix), for its masked positions
+    from the leftmost one, at most `draft_tokens`, within what it feeds."""
+    assert st.drafter is not None
+    return [
+        st.drafter.draft(i, st.active[r], blk.tokens[r][:left], min(st.cfg.draft_tokens, f - left))
+        for i, (r, left, f) in enumerate(zip(rows, leftmost, fed, strict=True))
+    ]
+
+
+def _draft_order(
+    layout: Layout, start: int, leftmost: Sequence[int], copies: Sequence[Sequence[int]], q: int
+) -> Layout:
+    """`layout` with the canvas (columns `start .. start + q` of each fed slot) re-blocked for copy
+    drafts: the committed prefix keeps the canvas's id, draft t gets id + 1 + t, the masks after
+    the drafts id + 1 + n. Under block order the logit that checks draft t (from the position before
+    it) then sees the drafts before it, never draft t itself or later ones, nor the masks after
+    them (keys that carry no text); the masks after see every draft. A row without drafts keeps one
+    block."""
+    block = layout.block.clone()
+    for slot, (left, copy) in enumerate(zip(leftmost, copies, strict=True)):
+        if copy:
+            base = block[slot, start]
+            n = len(copy)
+            block[slot, start + left : start + left + n] = base + 1 + torch.arange(n, device=block.device)
+            block[slot, start + left + n : start + q] = base + 1 + n
+    return replace(layout, block=block)
+
+
+def _until_disagreement(pick: list[bool], tokens: Sequence[int], drafts: Sequence[int | None]) -> list[bool]:
+    """`pick` cut after the first picked position whose token is not its draft (the logits right of
+    it were computed reading that draft)."""
+    out = list(pick)
+    for j, (p, token, d) in enumerate(zip(pick, tokens, drafts, strict=True)):
+        if p and d is not None and d != token:
+            out[j + 1 :] = [False] * (len(out) - j - 1)
+            break
+    return out
 
 
 def _first_token(st: _Batch, blk: _Block, drafts: list[list[int]] | None = None) -> None:
@@ -1050,7 +1127,7 @@ def _decode_batch(
         blk = _jump_forward(st) if k == 1 and cfg.jump_forward else None
         jump = blk is not None
         if blk is None:
-            drafts = _drafts(st) if cfg.draft is not None else None  # AR only (`decode` checks)
+            drafts = _drafts(st) if cfg.draft is not None and k == 1 else None  # diffusion: copy drafts
             blk = _Block.empty(len(st.active), k + max(map(len, drafts or []), default=0), mask_id)
             if k == 1 or not cfg.fused:  # the clean part's forward alone gives the first token
                 _first_token(st, blk, drafts)
@@ -1090,10 +1167,17 @@ def _check(
         raise ValueError(f"commit_rule must be one of {COMMIT_RULES}, got {config.commit_rule!r}")
     if config.draft not in DRAFTS:
         raise ValueError(f"draft must be one of {DRAFTS}, got {config.draft!r}")
-    if config.draft is not None and (config.block_size > 1 or config.do_sample or config.draft_tokens < 1):
+    diffusion_copies = config.block_size > 1 and config.draft == "prompt" and config.commit_rule == "prefix"
+    if (
+        config.draft is not None
+        and not diffusion_copies
+        and (config.block_size > 1 or config.do_sample or config.draft_tokens < 1)
+    ):
         raise ValueError(
-            "drafts need AR greedy decoding (block_size 1, do_sample False) and draft_tokens >= 1, got "
-            f"block_size {config.block_size}, do_sample {config.do_sample}, draft_tokens {config.draft_tokens}"
+            "drafts need AR greedy decoding (block_size 1, do_sample False) and draft_tokens >= 1, or "
+            "copy drafts (draft 'prompt') in block diffusion under the prefix rule, got "
+            f"block_size {config.block_size}, do_sample {config.do_sample}, draft {config.draft!r}, "
+            f"commit_rule {config.commit_rule!r}, draft_tokens {config.draft_tokens}"
         )
     if (config.draft == "model") != (drafter is not None):
         raise ValueError(
