@@ -1,14 +1,19 @@
-"""Decoding variants side by side on validation: fused vs separate block writes, windows, taus.
+"""Decoding variants side by side on validation: fused vs separate block writes, windows, taus, drafts.
 
     .venv/bin/python benchmarks/decode_variants.py [--systems rl] [--taus 0.9 0.6 0.4] [--windows 0 4 8]
-        [--modes fused separate] [--jump on off] [--split valid] [--max-users N] [--threads 2] [--json OUT.json]
+        [--modes fused separate] [--jump on off] [--copy off on] [--draft-tokens 3] [--split valid]
+        [--max-users N] [--threads 2] [--json OUT.json]
 
 Every variant decodes the same requests of `--split` (validation by default: these figures choose
 settings, test only reports them) under the answer grammar, as served, with the trained models in
 `data/06_models`. Per variant: R@1 as served, the model's own valid rate (answers the grammar never
 corrected), tokens per forward and output tokens/s of the pass. `fused` writes a finished block in
 the next block's first forward (the default); `separate` runs it alone first (one forward more per
-block, the first token known before the canvas). Window 0 = the whole block.
+block, the first token known before the canvas). Window 0 = the whole block. `--copy on`: copy
+drafts (`DecodeConfig.draft="prompt"`: prompt-lookup continuations fed as tokens, committed where the
+model agrees; decoder.py). Each variant after a system's first at the same tau also gets its R@1
+difference from that first one on the same requests, paired (whole users resampled, 1000 times),
+and with `--reference ar_rl` its difference from that system's (as the operating point pairs it).
 """
 
 from __future__ import annotations
@@ -19,11 +24,12 @@ import itertools
 import json
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import torch
 from transformers import AutoTokenizer
 
-from diffusion_gr2.core.evaluate.metrics import system_metrics
+from diffusion_gr2.core.evaluate.metrics import paired_bootstrap, system_metrics, user_values
 from diffusion_gr2.core.model.factory import load_model
 from diffusion_gr2.core.rank.rerank import (
     RerankConfig,
@@ -45,7 +51,10 @@ def main() -> None:
     parser.add_argument("--windows", nargs="+", type=int, default=[0])
     parser.add_argument("--modes", nargs="+", default=["fused", "separate"], choices=["fused", "separate"])
     parser.add_argument("--jump", nargs="+", default=["on"], choices=["on", "off"], help="jump-forward")
+    parser.add_argument("--copy", nargs="+", default=["off"], choices=["off", "on"], help="copy drafts")
+    parser.add_argument("--draft-tokens", type=int, default=3, help="copy drafts: positions drafted a step")
     parser.add_argument("--split", default="valid")
+    parser.add_argument("--reference", default=None, help="an AR system every variant is paired with (ar_rl)")
     parser.add_argument("--max-users", type=int, default=None)
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--threads", type=int, default=2)
@@ -58,19 +67,41 @@ def main() -> None:
     grammars = request_grammars(tokenizer, requests)
     config = RerankConfig(max_new_tokens=192, batch_size=args.batch_size)
     rows = []
+    firsts: dict[tuple[str, float], np.ndarray] = {}  # each (system, tau)'s first variant's hits
+    ref_hits = None
+    if args.reference:  # decoded once, as served
+        ref = load_model(args.models / args.reference).eval()
+        cfg = decode_config_for(ref, tokenizer, None, config)
+        ref_frame = rerank(ref, requests, tokenizer, cfg, args.reference, None, grammars, args.split)
+        ref_hits = user_values(ref_frame)["recall@1"]
+        print(f"{args.reference}: R@1 {ref_hits.mean():.3f}")
     print(f"{len(requests)} {args.split} requests, {torch.get_num_threads()} threads")
     print(
-        f"{'system':6s} {'tau':>4s} {'win':>3s} {'mode':8s} {'jump':>4s} {'R@1':>6s} {'own valid':>9s} {'tok/fwd':>7s} {'tok/s':>6s}"
+        f"{'system':6s} {'tau':>4s} {'win':>3s} {'mode':8s} {'jump':>4s} {'copy':>4s} {'R@1':>6s} "
+        f"{'vs first [95%]':>22s} {'own valid':>9s} {'tok/fwd':>7s} {'tok/s':>6s}"
     )
     for system in args.systems:
         model = load_model(args.models / system).eval()
         for tau in args.taus:
             for window in args.windows:
-                for mode, jump in itertools.product(args.modes, args.jump):
+                for mode, jump, copy in itertools.product(args.modes, args.jump, args.copy):
                     cfg = decode_config_for(model, tokenizer, tau, config, window=window or None)
-                    cfg = dataclasses.replace(cfg, fused=mode == "fused", jump_forward=jump == "on")
+                    cfg = dataclasses.replace(
+                        cfg,
+                        fused=mode == "fused",
+                        jump_forward=jump == "on",
+                        draft="prompt" if copy == "on" else None,
+                        draft_tokens=args.draft_tokens,
+                    )
                     frame = rerank(model, requests, tokenizer, cfg, system, tau, grammars, args.split)
                     metrics = system_metrics(frame, n_boot=200)
+                    hits = user_values(frame)["recall@1"]  # per request
+                    first = firsts.setdefault((system, tau), hits)
+                    diff = None
+                    users = frame["user_id"].to_numpy()
+                    if first is not hits:
+                        diff = paired_bootstrap(hits, first, groups=users)
+                    vs_ref = None if ref_hits is None else paired_bootstrap(hits, ref_hits, groups=users)
                     tokens = int(frame["output_tokens"].sum())
                     row = {
                         "system": system,
@@ -78,17 +109,26 @@ def main() -> None:
                         "window": window or None,
                         "mode": mode,
                         "jump_forward": jump == "on",
+                        "copy_drafts": copy == "on",
                         "n": len(frame),
                         "recall@1": metrics["recall@1"],
                         "recall@1_ci": metrics["ci"]["recall@1"],
+                        "recall@1_vs_first": None if diff is None else [diff.mean_diff, diff.low, diff.high],
+                        "recall@1_vs_reference": None
+                        if vs_ref is None
+                        else [vs_ref.mean_diff, vs_ref.low, vs_ref.high],
                         "unforced_rate": metrics["unforced_rate"],
                         "tokens_per_forward": tokens / int(frame["nfe"].sum()),
                         "tokens_per_s": tokens / frame.attrs["decode_s"],
                     }
                     rows.append(row)
+                    vs = "" if diff is None else f"{diff.mean_diff:+.3f} [{diff.low:+.3f}, {diff.high:+.3f}]"
+                    if vs_ref is not None:
+                        vs += f"  vs {args.reference} {vs_ref.mean_diff:+.3f} [{vs_ref.low:+.3f}, {vs_ref.high:+.3f}]"
                     print(
-                        f"{system:6s} {tau:4g} {window or '-':>3} {mode:8s} {jump:>4s} {row['recall@1']:6.3f} "
-                        f"{row['unforced_rate']:9.1%} {row['tokens_per_forward']:7.2f} {row['tokens_per_s']:6.0f}"
+                        f"{system:6s} {tau:4g} {window or '-':>3} {mode:8s} {jump:>4s} {copy:>4s} "
+                        f"{row['recall@1']:6.3f} {vs:>22s} {row['unforced_rate']:9.1%} "
+                        f"{row['tokens_per_forward']:7.2f} {row['tokens_per_s']:6.0f}"
                     )
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))

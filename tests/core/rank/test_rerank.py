@@ -136,6 +136,9 @@ def test_drafts_reach_ar_systems_only_and_change_no_ranking(world) -> None:
     assert (cfg.draft, cfg.draft_tokens) == ("prompt", 5)
     assert decode_config_for(ar, tokenizer, None, RerankConfig()).draft is None  # served default: off
     assert decode_config_for(diffusion, tokenizer, 0.6, drafted).draft is None
+    copying = dataclasses.replace(drafted, copy_drafts=True)  # diffusion's own switch: copy drafts
+    assert decode_config_for(diffusion, tokenizer, 0.6, copying).draft == "prompt"
+    assert decode_config_for(ar, tokenizer, None, dataclasses.replace(copying, draft=None)).draft is None
     grammars = request_grammars(tokenizer, requests)
     plain = rerank(ar, requests, tokenizer, dataclasses.replace(cfg, draft=None), "ar_rl", None, grammars)
     rows = rerank(ar, requests, tokenizer, cfg, "ar_rl", None, grammars)

@@ -102,6 +102,9 @@ class RerankConfig:
     # Diffusion systems decode without them whatever this says (decoder.py, drafts).
     draft: str | None = DecodeConfig.draft
     draft_tokens: int = DecodeConfig.draft_tokens  # draft tokens fed per forward at most
+    # Diffusion systems: copy drafts (prompt-lookup continuations fed as tokens, committed where the
+    # model agrees; not lossless, so chosen on validation: decoder.py, drafts). AR: see `draft`.
+    copy_drafts: bool = False
 
 
 def resolve_device(name: str) -> torch.device:
@@ -165,7 +168,7 @@ def decode_config_for(
         seed=seed,
         backend=config.backend,
         jump_forward=config.jump_forward,
-        draft=config.draft if block_size == 1 else None,
+        draft=config.draft if block_size == 1 else "prompt" if config.copy_drafts else None,
         draft_tokens=config.draft_tokens,
     )
 
