@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Iterator
 
 import pandas as pd
@@ -12,7 +13,7 @@ from torch import Tensor
 from transformers import PreTrainedTokenizerFast
 
 from diffusion_gr2.core.decode.decoder import DecodeConfig, decode
-from diffusion_gr2.core.decode.grammar import AnswerGrammar, GrammarTokens, accepts
+from diffusion_gr2.core.decode.grammar import AnswerGrammar, GrammarTokens, accepts, prompt_sids
 from diffusion_gr2.core.rank.rerank import request_grammars
 from diffusion_gr2.core.text.parser import parse_answer
 from diffusion_gr2.core.text.prompt import render_answer
@@ -283,3 +284,77 @@ def test_accepts_is_what_constrained_decoding_leaves_untouched(k: int) -> None:
                 assert (again.forced == 0) is not hit
                 if not hit:
                     assert again.tokens == out.tokens
+
+
+def test_cited_sids_are_the_prompts_and_their_rest_is_forced(world) -> None:
+    """`cite_prompt_sids`: an explanation citing the prompt's SIDs (history or candidates) is
+    accepted, one citing any other SID (or part of one) is not; once a citation's first tokens pin
+    a SID, `only` names the rest; without the option anything goes, as before."""
+    tokenizer, requests = world
+    plain, cited = request_grammars(tokenizer, requests)[0], request_grammars(tokenizer, requests, True)[0]
+    tokens = plain.tokens
+    sids = _candidates(requests)
+    prompt = list(requests["prompt_ids"][0])
+    in_prompt = prompt_sids(tokens, prompt, plain.sid_length)
+    history = [s for s in in_prompt if s not in {tokens.sid_ids_of(c) for c in sids}]
+    assert history and len(in_prompt) == len(sids) + len(history)  # the world's prompts show both
+    history_text = tokenizer.decode(list(history[0]))
+    good = _ids(tokenizer, render_answer(f"latest {history_text} then {sids[2]}.", sids))
+    assert _walk(cited, good) is None and _walk(plain, good) is None
+    # a candidate's SID with another last level: SID tokens that exist, a SID the prompt lacks
+    head = sids[0][: sids[0].rindex("<")]
+    foreign = next(
+        head + t
+        for t in sorted(tokens.vocab)
+        if t.startswith("<d_") and tokens.sid_ids_of(head + t) not in in_prompt
+    )
+    for bad in (f"cites {foreign} here", f"cites {sids[1][: sids[1].index('><') + 1]} alone"):
+        ids = _ids(tokenizer, render_answer(bad, sids))
+        assert _walk(plain, ids) is None and _walk(cited, ids) is not None
+        assert not accepts(cited, ids, 1000) and accepts(plain, ids, 1000)
+    state, forced = cited.copy(), 0
+    for token in good:
+        only = state.only(1000)
+        if only is not None and state.phase == "text":
+            assert only == token and int(state.allowed(1000).sum()) == 1
+            forced += 1
+        state.advance(token)
+    assert forced >= 2  # at least the last token of each of the two citations
+
+
+def test_cited_sids_keep_ar_jump_forward_exact_and_every_answer_valid(world) -> None:
+    """Decoding under the stricter grammar, by a model drawn to SID tokens (it cites often): every
+    answer valid, citations of the prompt's SIDs only, AR jump-forward still exact, and more tokens
+    written without a forward than under the plain grammar (the rest of each pinned citation)."""
+    tokenizer, requests = world
+    model = tiny_model_for(tokenizer, num_layers=2)
+    head = model.get_output_embeddings()
+    sid_tokens = GrammarTokens.from_tokenizer(tokenizer, IM_END).sid_tokens
+    biased = torch.nn.Linear(head.in_features, head.out_features, bias=True)
+    with torch.no_grad():
+        biased.weight.copy_(head.weight)
+        biased.bias.copy_(sid_tokens.float() * 3.0)  # SID tokens: most of the arg-max
+    model.set_output_embeddings(biased.to(head.weight.device))
+    eos = tokenizer.convert_tokens_to_ids(IM_END)
+    cfg = DecodeConfig(max_new_tokens=96, eos_token_ids=(eos,), batch_size=1)
+    prompts = [list(p) for p in requests["prompt_ids"]]
+    grammars = request_grammars(tokenizer, requests, True)
+    plain = decode(model, prompts, dataclasses.replace(cfg, jump_forward=False), grammars)
+    jumped = decode(model, prompts, cfg, grammars)
+    assert [o.tokens for o in jumped] == [o.tokens for o in plain]
+    assert [o.forced for o in jumped] == [o.forced for o in plain]
+    loose = decode(model, prompts, cfg, request_grammars(tokenizer, requests))
+    citations = 0
+    for row, out in enumerate(jumped):
+        text = decode_response(tokenizer, out.tokens)
+        assert parse_answer(text, _candidates(requests, row)).valid and accepts(grammars[row], out.tokens, 96)
+        explanation = text.split('","recommendations"')[0]
+        cited = {
+            tuple(tokenizer(s, add_special_tokens=False)["input_ids"])
+            for s in re.findall(r"(?:<[a-z]_\d+>){4}", explanation)
+        }
+        assert cited <= prompt_sids(grammars[row].tokens, prompts[row], grammars[row].sid_length)
+        citations += len(cited)
+    assert citations >= len(prompts)  # the case is real: the explanations cite
+    jumps = [len(o.tokens) - o.nfe for o in jumped]
+    assert sum(jumps) > sum(len(o.tokens) - o.nfe for o in loose)

@@ -609,7 +609,7 @@ def benchmark_requests(
     if chosen.empty:
         raise ValueError(f"no {split!r} requests to benchmark")
     prompts = [list(p) for p in chosen["prompt_ids"]]
-    grammars = request_grammars(tokenizer, chosen)
+    grammars = request_grammars(tokenizer, chosen, decoding.cite_prompt_sids)
     placed = {name: prepare_model(model, decoding.device) for name, model in models.items()}
     return run_benchmark(
         placed, prompts, tokenizer, decoding, config, grammars=grammars, operating_points=operating_points

@@ -9,7 +9,9 @@ exactly
 where the SIDs are a permutation of the request's candidates: the compact format every trace is
 written in (`render_answer`). The explanation is free text (any token that keeps it a valid JSON
 string, escapes included; SID tokens may be cited); everything after it is forced structure plus a
-choice among the candidates not ranked yet. When the token budget gets tight the explanation is
+choice among the candidates not ranked yet. With `cited` (the SIDs of the request's prompt: its
+history and candidates, `prompt_sids`) an explanation may cite only those, whole: once a SID's first
+tokens pin one of them, the rest is forced (written by jump-forward like a ranked SID's). When the token budget gets tight the explanation is
 closed and the literals take their canonical tokens, so a long explanation cannot crowd the ranking
 out of `max_new_tokens`.
 
@@ -27,7 +29,8 @@ model's confidence (`DecodeConfig.jump_forward`).
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+import re
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -45,6 +48,7 @@ __all__ = [
     "accepts",
     "allowed_masks",
     "answer_grammars",
+    "prompt_sids",
 ]
 
 OPEN = '{"explanation":"'
@@ -54,6 +58,7 @@ END = '"]}'
 # JSON escapes after a backslash; a unicode escape (backslash-u and four hex digits) is not accepted:
 # traces are written with ensure_ascii=False and cleaned of control characters, so none has one.
 _ESCAPES = set('"\\/bfnrt')
+SID_TOKEN = re.compile(r"<[a-z]_\d+>")  # one level of a SID (`rqvae.py` writes `<a_12><b_3>...`)
 
 
 class TokenConstraint(Protocol):
@@ -112,6 +117,7 @@ class GrammarTokens:
     text_masks: dict[bool, Tensor]  # escape pending -> tokens that continue (or close) the explanation
     close_masks: dict[bool, Tensor]  # escape pending -> tokens that (also) start the closing literal
     text_effects: dict[tuple[bool, int], tuple[str, bool | int]]  # (escaped, id) -> `_scan_text` result
+    sid_tokens: Tensor  # bool [v]: the SID tokens (one level each)
     # caches, filled on first use: literal -> canonical ids, (literal, then text) -> allowed mask,
     # and the one token such a mask allows (None: several)
     _canonical: dict[str, list[int]] = field(default_factory=dict, repr=False)
@@ -141,7 +147,10 @@ class GrammarTokens:
                 effects[(escaped, i)] = result
                 (close_ok if result[0] == "close" else text_ok)[i] = True
             text_masks[escaped], close_masks[escaped] = text_ok | close_ok, close_ok
-        return cls(tokenizer, texts, eos_id, tokenizer.get_vocab(), text_masks, close_masks, effects)
+        sid_tokens = torch.tensor([bool(SID_TOKEN.fullmatch(t)) for t in texts], dtype=torch.bool)
+        return cls(
+            tokenizer, texts, eos_id, tokenizer.get_vocab(), text_masks, close_masks, effects, sid_tokens
+        )
 
     def canonical_ids(self, literal: str) -> list[int]:
         """How the tokenizer writes `literal` (what a trained model has seen)."""
@@ -196,7 +205,14 @@ class GrammarTokens:
 class AnswerGrammar:
     """Token automaton of one request's answer (module doc); phases: literal, text, sid, eos, done."""
 
-    def __init__(self, tokens: GrammarTokens, candidate_sids: Sequence[str]) -> None:
+    def __init__(
+        self,
+        tokens: GrammarTokens,
+        candidate_sids: Sequence[str],
+        cited: Iterable[Sequence[int]] | None = None,
+    ) -> None:
+        """`cited`: the SIDs (token ids) the explanation may cite, the candidates always among them;
+        None = any SID tokens, in any order (module doc)."""
         if not candidate_sids:
             raise ValueError("a ranking grammar needs at least one candidate SID")
         self.tokens = tokens
@@ -211,6 +227,11 @@ class AnswerGrammar:
         self.phase, self.literal, self.then = "literal", OPEN, "text"
         self.escaped = False  # inside the explanation: a backslash is pending
         self.partial: tuple[int, ...] = ()  # SID tokens written of the current item
+        self.cited = None if cited is None else frozenset(map(tuple, cited)) | frozenset(self.remaining)
+        if self.cited is not None and any(len(c) != self.sid_length for c in self.cited):
+            raise ValueError(f"cited SIDs must have the candidates' {self.sid_length} tokens")
+        self.citing: tuple[int, ...] = ()  # explanation: SID tokens written of the current citation
+        self._cite_masks: dict[tuple[int, ...], Tensor] = {}  # citation prefix -> next tokens (shared)
         # Tokens the answer needs after the explanation (canonical literals), plus slack for a closing
         # quote the model splits off: below this budget the explanation must close.
         self.reserve = len(tokens.canonical_ids(CLOSE)) + self._list_cost(len(self.remaining)) + 2
@@ -237,9 +258,15 @@ class AnswerGrammar:
                 return t.token_mask(t.canonical_ids(self.literal)[0])
             return t.literal_mask(self.literal, self.then == "text")
         if self.phase == "text":
+            if self.citing:  # inside a citation: the rest of a cited SID
+                return self._cite_mask(self.citing)
             if budget <= self.reserve and not self.escaped:  # close now, or the ranking will not fit
                 return t.close_masks[False]
-            return t.text_masks[self.escaped]
+            if self.cited is None or self.escaped:
+                return t.text_masks[self.escaped]
+            # a SID token only as a cited SID's first, and only where the whole SID still fits
+            starts = budget >= self.reserve + self.sid_length
+            return self._cite_mask(() if starts else None)
         if self.phase == "sid":
             mask = torch.zeros(len(t.texts), dtype=torch.bool)
             depth = len(self.partial)
@@ -264,6 +291,10 @@ class AnswerGrammar:
             return next(iter(options)) if len(options) == 1 else None
         if self.phase == "eos":
             return t.eos_id
+        if self.phase == "text" and self.citing:  # a citation its first tokens pinned
+            depth = len(self.citing)
+            options = {s[depth] for s in self.cited or () if s[:depth] == self.citing}
+            return next(iter(options)) if len(options) == 1 else None
         return None  # explanation text always has several continuations; done: any token
 
     def advance(self, token: int) -> None:
@@ -281,6 +312,12 @@ class AnswerGrammar:
                 return
             raise ValueError(f"token {token} ({text!r}) does not continue literal {self.literal!r}")
         if self.phase == "text":
+            if self.cited is not None and (self.citing or bool(t.sid_tokens[token])):
+                self.citing += (token,)
+                if self.citing not in self._cite_prefixes():
+                    raise ValueError(f"SID tokens {self.citing} cite no SID of the request's prompt")
+                if len(self.citing) == self.sid_length:
+                    self.citing = ()
             self._text(token, None)
         elif self.phase == "sid":
             self.partial += (token,)
@@ -293,6 +330,27 @@ class AnswerGrammar:
             if token != t.eos_id:
                 raise ValueError(f"token {token} after a complete answer; expected end-of-output")
             self.phase = "done"
+
+    def _cite_prefixes(self) -> frozenset[tuple[int, ...]]:
+        """Every prefix of a cited SID (built once per request; copies share it)."""
+        if "_prefixes" not in self.__dict__:
+            self._prefixes = frozenset(c[:d] for c in self.cited or () for d in range(1, self.sid_length + 1))
+        return self._prefixes
+
+    def _cite_mask(self, prefix: tuple[int, ...] | None) -> Tensor:
+        """Inside a citation (`prefix` non-empty): the next tokens of cited SIDs. Otherwise the
+        explanation's text tokens, SID tokens only where they start a cited SID (none: `prefix` None)."""
+        key = (-1,) if prefix is None else prefix
+        if key not in self._cite_masks:
+            t = self.tokens
+            depth = 0 if prefix is None else len(prefix)
+            nxt = [c[depth] for c in self.cited or () if prefix is not None and c[:depth] == prefix]
+            mask = torch.zeros(len(t.texts), dtype=torch.bool)
+            mask[nxt] = True
+            if not prefix:
+                mask |= t.text_masks[False] & ~t.sid_tokens
+            self._cite_masks[key] = mask
+        return self._cite_masks[key]
 
     def _text(self, token: int, run_on: str | None) -> None:
         """Consume explanation text: the whole token, or `run_on` (its part after a literal)."""
@@ -349,9 +407,32 @@ def accepts(constraint: TokenConstraint, tokens: Sequence[int], max_new_tokens: 
     return True
 
 
+def prompt_sids(tokens: GrammarTokens, prompt: Sequence[int], length: int) -> set[tuple[int, ...]]:
+    """The SIDs of a prompt (token ids): its runs of exactly `length` SID tokens (history, candidates)."""
+    out, run = set(), []
+    for token in [*prompt, -1]:
+        if token >= 0 and bool(tokens.sid_tokens[token]):
+            run.append(int(token))
+            continue
+        if len(run) == length:
+            out.add(tuple(run))
+        run = []
+    return out
+
+
 def answer_grammars(
-    tokenizer: PreTrainedTokenizerBase, candidate_lists: Sequence[Sequence[str]], eos_token: str
+    tokenizer: PreTrainedTokenizerBase,
+    candidate_lists: Sequence[Sequence[str]],
+    eos_token: str,
+    prompts: Sequence[Sequence[int]] | None = None,
 ) -> list[AnswerGrammar]:
-    """One `AnswerGrammar` per request's candidate SIDs, sharing one `GrammarTokens` table."""
+    """One `AnswerGrammar` per request's candidate SIDs, sharing one `GrammarTokens` table; with
+    `prompts` (token ids, one per request) its explanation cites only the prompt's SIDs."""
     tokens = GrammarTokens.from_tokenizer(tokenizer, eos_token)
-    return [AnswerGrammar(tokens, sids) for sids in candidate_lists]
+    if prompts is None:
+        return [AnswerGrammar(tokens, sids) for sids in candidate_lists]
+    out = []
+    for sids, prompt in zip(candidate_lists, prompts, strict=True):
+        length = len(tokens.sid_ids_of(sids[0])) if sids else 0
+        out.append(AnswerGrammar(tokens, sids, prompt_sids(tokens, prompt, length)))
+    return out

@@ -105,6 +105,10 @@ class RerankConfig:
     # Diffusion systems: copy drafts (prompt-lookup continuations fed as tokens, committed where the
     # model agrees; not lossless, so chosen on validation: decoder.py, drafts). AR: see `draft`.
     copy_drafts: bool = False
+    # Under the grammar: the explanation may cite only the prompt's SIDs, whole; the rest of a SID
+    # its first tokens pin is then forced (jump-forward writes it). Stricter, so own validity can
+    # only fall: chosen on validation (grammar.py; docs/experiments.md#cited-sids).
+    cite_prompt_sids: bool = False
 
 
 def resolve_device(name: str) -> torch.device:
@@ -187,9 +191,14 @@ def select_requests(
     return rows.reset_index(drop=True)
 
 
-def request_grammars(tokenizer: PreTrainedTokenizerBase, requests: pd.DataFrame) -> list[AnswerGrammar]:
-    """The answer grammar of each request: its candidate SIDs, ended by `<|im_end|>`."""
-    return answer_grammars(tokenizer, [[str(s) for s in c] for c in requests["candidate_sids"]], IM_END)
+def request_grammars(
+    tokenizer: PreTrainedTokenizerBase, requests: pd.DataFrame, cite_prompt_sids: bool = False
+) -> list[AnswerGrammar]:
+    """The answer grammar of each request: its candidate SIDs, ended by `<|im_end|>`; with
+    `cite_prompt_sids` its explanation cites only SIDs of its prompt (`RerankConfig`)."""
+    prompts = [list(p) for p in requests["prompt_ids"]] if cite_prompt_sids else None
+    sids = [[str(s) for s in c] for c in requests["candidate_sids"]]
+    return answer_grammars(tokenizer, sids, IM_END, prompts)
 
 
 def decode_requests(
@@ -376,7 +385,7 @@ def rerank_system(
     """
     grid = [(None, None)] if system in AR_SYSTEMS else [(float(t), w) for t, w in settings]
     # Built once (a large vocabulary takes a while to tabulate); decoding only ever advances copies.
-    grammars = request_grammars(tokenizer, requests) if config.constrained else None
+    grammars = request_grammars(tokenizer, requests, config.cite_prompt_sids) if config.constrained else None
     frames, speeds = [], []
     for tau, window in grid:
         cfg = decode_config_for(model, tokenizer, tau, config, window=window)

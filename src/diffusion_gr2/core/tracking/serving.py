@@ -187,6 +187,7 @@ class Ranker:
         decode = decode_config_for(self.model, tokenizer, config.tau, rerank_config)
         self.decode = replace(decode, window=config.window) if config.tau is not None else decode
         self.constrained = rerank_config.constrained
+        self.cite_prompt_sids = rerank_config.cite_prompt_sids
         in_lookup = items[items["item_id"].isin(list(self.lookup.items))]
         self.known = {
             str(r): int(i) for r, i in zip(in_lookup["raw_item_id"], in_lookup["item_id"], strict=True)
@@ -232,7 +233,8 @@ class Ranker:
             for r in requests
         ]
         sid_lists = [self.lookup.sids(r.candidates) for r in requests]
-        grammars = answer_grammars(self.tokenizer, sid_lists, IM_END) if self.constrained else None
+        cited = prompts if self.cite_prompt_sids else None  # the explanation cites the prompt's SIDs only
+        grammars = answer_grammars(self.tokenizer, sid_lists, IM_END, cited) if self.constrained else None
         outputs = decode_requests(self.model, prompts, decode_config, desc="serve", grammars=grammars)
         latency_ms = 1000.0 * (time.perf_counter() - start)
         own: list[tuple[bool, list[str]]] | list[None] = [None] * len(requests)

@@ -185,7 +185,7 @@ def _timed_speeds(
     else:
         reference_model = prepare_model(reference_model, config.device)
     prompts = [list(p) for p in head["prompt_ids"]]
-    grammars = request_grammars(tokenizer, head) if config.constrained else None
+    grammars = request_grammars(tokenizer, head, config.cite_prompt_sids) if config.constrained else None
     settings = [(float(s["tau"]), s["window"]) for s in speeds]
     timed = time_candidates(
         model, system, settings, prompts, tokenizer, config, bench, grammars, reference_model=reference_model
