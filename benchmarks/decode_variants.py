@@ -1,19 +1,24 @@
-"""Decoding variants side by side on validation: fused vs separate block writes, windows, taus, drafts.
+"""Decoding variants side by side on validation: block writes, windows, taus, drafts, citations.
 
-    .venv/bin/python benchmarks/decode_variants.py [--systems rl] [--taus 0.9 0.6 0.4] [--windows 0 4 8]
-        [--modes fused separate] [--jump on off] [--copy off on] [--draft-tokens 3] [--split valid]
-        [--max-users N] [--threads 2] [--json OUT.json]
+    .venv/bin/python benchmarks/decode_variants.py [--systems ar_rl rl] [--taus 0.9 0.6 0.4]
+        [--windows 0 4 8] [--modes fused separate] [--jump on off] [--copy off on] [--draft-tokens 3]
+        [--cite off on] [--reference ar_rl] [--split valid] [--max-users N] [--threads 2] [--json OUT.json]
 
 Every variant decodes the same requests of `--split` (validation by default: these figures choose
 settings, test only reports them) under the answer grammar, as served, with the trained models in
-`data/06_models`. Per variant: R@1 as served, the model's own valid rate (answers the grammar never
-corrected), tokens per forward and output tokens/s of the pass. `fused` writes a finished block in
-the next block's first forward (the default); `separate` runs it alone first (one forward more per
-block, the first token known before the canvas). Window 0 = the whole block. `--copy on`: copy
-drafts (`DecodeConfig.draft="prompt"`: prompt-lookup continuations fed as tokens, committed where the
-model agrees; decoder.py). Each variant after a system's first at the same tau also gets its R@1
-difference from that first one on the same requests, paired (whole users resampled, 1000 times),
-and with `--reference ar_rl` its difference from that system's (as the operating point pairs it).
+`data/06_models`. Per variant: R@1 as served, the model's own valid rate (its free answer accepted
+by the grammar), tokens per forward and output tokens/s of the pass.
+* `fused` writes a finished block in the next block's first forward (the default); `separate` runs
+  it alone first (one forward more per block, the first token known before the canvas).
+* Window 0 = the whole block.
+* `--copy on`: copy drafts (`DecodeConfig.draft="prompt"`: prompt-lookup continuations fed as
+  tokens, committed where the model agrees; decoder.py). Diffusion systems only.
+* `--cite on`: the explanation cites only the prompt's SIDs, the rest of a pinned citation forced
+  (`RerankConfig.cite_prompt_sids`); own validity is then read under that stricter grammar.
+* AR systems decode once per `--cite` (no tau, window or copy drafts).
+Each variant after a system's first at the same tau gets its R@1 difference from that first one on
+the same requests, paired (whole users resampled, 1000 times), and with `--reference ar_rl` its
+difference from that system's plain decode (as the operating point pairs it).
 """
 
 from __future__ import annotations
@@ -53,6 +58,9 @@ def main() -> None:
     parser.add_argument("--jump", nargs="+", default=["on"], choices=["on", "off"], help="jump-forward")
     parser.add_argument("--copy", nargs="+", default=["off"], choices=["off", "on"], help="copy drafts")
     parser.add_argument("--draft-tokens", type=int, default=3, help="copy drafts: positions drafted a step")
+    parser.add_argument(
+        "--cite", nargs="+", default=["off"], choices=["off", "on"], help="explanation cites prompt SIDs only"
+    )
     parser.add_argument("--split", default="valid")
     parser.add_argument("--reference", default=None, help="an AR system every variant is paired with (ar_rl)")
     parser.add_argument("--max-users", type=int, default=None)
@@ -65,9 +73,10 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(args.models / "tokenizer", local_files_only=True)
     requests = select_requests(pd.read_parquet(args.requests), args.split, args.max_users)
     grammars = request_grammars(tokenizer, requests)
+    cited = request_grammars(tokenizer, requests, cite_prompt_sids=True) if "on" in args.cite else None
     config = RerankConfig(max_new_tokens=192, batch_size=args.batch_size)
     rows = []
-    firsts: dict[tuple[str, float], np.ndarray] = {}  # each (system, tau)'s first variant's hits
+    firsts: dict[tuple[str, float | None], np.ndarray] = {}  # each (system, tau)'s first variant's hits
     ref_hits = None
     if args.reference:  # decoded once, as served
         ref = load_model(args.models / args.reference).eval()
@@ -77,14 +86,16 @@ def main() -> None:
         print(f"{args.reference}: R@1 {ref_hits.mean():.3f}")
     print(f"{len(requests)} {args.split} requests, {torch.get_num_threads()} threads")
     print(
-        f"{'system':6s} {'tau':>4s} {'win':>3s} {'mode':8s} {'jump':>4s} {'copy':>4s} {'R@1':>6s} "
+        f"{'system':6s} {'tau':>4s} {'win':>3s} {'mode':8s} {'jump':>4s} {'copy':>4s} {'cite':>4s} {'R@1':>6s} "
         f"{'vs first [95%]':>22s} {'own valid':>9s} {'tok/fwd':>7s} {'tok/s':>6s}"
     )
     for system in args.systems:
         model = load_model(args.models / system).eval()
-        for tau in args.taus:
-            for window in args.windows:
-                for mode, jump, copy in itertools.product(args.modes, args.jump, args.copy):
+        diffusion = getattr(model.config, "block_size", None) is not None
+        for tau in args.taus if diffusion else [None]:  # AR systems: one setting, no copy drafts
+            for window in args.windows if diffusion else [0]:
+                copies = args.copy if diffusion else ["off"]
+                for mode, jump, copy, cite in itertools.product(args.modes, args.jump, copies, args.cite):
                     cfg = decode_config_for(model, tokenizer, tau, config, window=window or None)
                     cfg = dataclasses.replace(
                         cfg,
@@ -93,7 +104,8 @@ def main() -> None:
                         draft="prompt" if copy == "on" else None,
                         draft_tokens=args.draft_tokens,
                     )
-                    frame = rerank(model, requests, tokenizer, cfg, system, tau, grammars, args.split)
+                    served = cited if cite == "on" else grammars
+                    frame = rerank(model, requests, tokenizer, cfg, system, tau, served, args.split)
                     metrics = system_metrics(frame, n_boot=200)
                     hits = user_values(frame)["recall@1"]  # per request
                     first = firsts.setdefault((system, tau), hits)
@@ -110,6 +122,7 @@ def main() -> None:
                         "mode": mode,
                         "jump_forward": jump == "on",
                         "copy_drafts": copy == "on",
+                        "cite_prompt_sids": cite == "on",
                         "n": len(frame),
                         "recall@1": metrics["recall@1"],
                         "recall@1_ci": metrics["ci"]["recall@1"],
@@ -126,7 +139,8 @@ def main() -> None:
                     if vs_ref is not None:
                         vs += f"  vs {args.reference} {vs_ref.mean_diff:+.3f} [{vs_ref.low:+.3f}, {vs_ref.high:+.3f}]"
                     print(
-                        f"{system:6s} {tau:4g} {window or '-':>3} {mode:8s} {jump:>4s} {copy:>4s} "
+                        f"{system:6s} {'AR' if tau is None else f'{tau:g}':>4s} {window or '-':>3} {mode:8s} "
+                        f"{jump:>4s} {copy:>4s} {cite:>4s} "
                         f"{row['recall@1']:6.3f} {vs:>22s} {row['unforced_rate']:9.1%} "
                         f"{row['tokens_per_forward']:7.2f} {row['tokens_per_s']:6.0f}"
                     )
