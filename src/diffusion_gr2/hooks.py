@@ -192,11 +192,14 @@ class NodeTimingHooks:
         self._seconds: dict[str, float] = {}
         self._run_start = 0.0
         self._started = ""
+        self._commit: dict[str, str] = {}
 
     @hook_impl
-    def before_pipeline_run(self) -> None:
+    def before_pipeline_run(self, run_params: dict[str, Any]) -> None:
         self._start, self._seconds, self._run_start = {}, {}, time.perf_counter()
         self._started = datetime.now(UTC).isoformat(timespec="seconds")
+        # the code the run started from: a commit made while it runs is not what it ran
+        self._commit = git_commit(Path(run_params.get("project_path") or Path.cwd()))
 
     @hook_impl
     def before_node_run(self, node: Any) -> None:
@@ -227,7 +230,7 @@ class NodeTimingHooks:
             "pipelines": names or ["__default__"],
             "env": str(run_params.get("env") or "local"),
             "nodes_run": "all" if not run_params.get("node_names") else list(run_params["node_names"]),
-            **git_commit(project),
+            **(self._commit or git_commit(project)),
             **machine(),
         }
         report = {

@@ -101,3 +101,24 @@ def test_a_warm_retrain_shows_the_settings_it_applied() -> None:
     run = SimpleNamespace(data=SimpleNamespace(params=params))
     shown = _key_params(run, {"params": ["params:cft"]})
     assert shown == ["cft.train.seed=0", "cft.warm_start.train.max_steps=120"]
+
+
+def test_the_run_record_names_the_commit_the_run_started_from(tmp_path: Path, monkeypatch) -> None:
+    """A commit made while a run goes on is not what it ran: node_times.json keeps the start's."""
+    import json
+
+    from diffusion_gr2 import hooks
+
+    commits = iter(
+        [{"git_commit": "start", "git_dirty": "false"}, {"git_commit": "later", "git_dirty": "false"}]
+    )
+    monkeypatch.setattr(hooks, "git_commit", lambda _project: next(commits))
+    (tmp_path / "data/08_reporting").mkdir(parents=True)
+    timing = hooks.NodeTimingHooks()
+    timing.before_pipeline_run({"project_path": str(tmp_path)})
+    node = Node(lambda: None, None, None, name="work")
+    timing.before_node_run(node)
+    timing.after_node_run(node)
+    timing.after_pipeline_run({"project_path": str(tmp_path)})
+    record = json.loads((tmp_path / "data/08_reporting/node_times.json").read_text())
+    assert record["run"]["git_commit"] == "start" and list(record["nodes_s"]) == ["work"]
