@@ -116,7 +116,7 @@ def test_the_run_record_names_the_commit_the_run_started_from(tmp_path: Path, mo
     (tmp_path / "data/08_reporting").mkdir(parents=True)
     timing = hooks.NodeTimingHooks()
     timing.before_pipeline_run({"project_path": str(tmp_path)})
-    node = Node(lambda: None, None, None, name="work")
+    node = Node(lambda x: x, "a", "b", name="work")
     timing.before_node_run(node)
     timing.after_node_run(node)
     timing.after_pipeline_run({"project_path": str(tmp_path)})
