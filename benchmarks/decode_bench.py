@@ -28,10 +28,9 @@ from transformers import PreTrainedModel, PreTrainedTokenizerFast
 from diffusion_gr2.core.bench.harness import (
     TimedSystem,
     round_rates,
-    speedup,
     statistic,
+    table_row,
     time_rounds,
-    tokens_per_s,
 )
 from diffusion_gr2.core.decode.decoder import DecodeConfig, decode
 from diffusion_gr2.core.model.factory import ModelSpec, build_model
@@ -133,14 +132,7 @@ def main() -> None:
         timed = time_rounds(_systems(model, confident, batch, args), prompts, args.rounds)
         reference = round_rates(timed[AR])
         for name, rounds in timed.items():
-            calls = [c for r in rounds for c in r]
-            tokens, nfe = sum(sum(c.output_tokens) for c in calls), sum(sum(c.nfe) for c in calls)
-            rows = sum(len(c.output_tokens) for c in calls)
-            ratio = speedup(round_rates(rounds), reference)
-            print(
-                f"{name:34s} {batch:5d} {tokens_per_s(round_rates(rounds)):8.1f} {nfe / rows:10.1f} "
-                f"{tokens / nfe:8.2f}  {ratio.value:.2f} [{ratio.low:.2f}, {ratio.high:.2f}]"
-            )
+            print(table_row(name, rounds, reference, str(batch)))
 
 
 if __name__ == "__main__":

@@ -46,6 +46,7 @@ __all__ = [
     "round_rates",
     "speedup",
     "statistic",
+    "table_row",
     "time_rounds",
     "tokens_per_s",
 ]
@@ -235,6 +236,21 @@ def speedup(a: Sequence[float] | TimedRate, b: Sequence[float] | TimedRate, leve
     `ratio_interval` of the per-round ratios."""
     rounds = [x.tokens_per_s_by_round if isinstance(x, TimedRate) else x for x in (a, b)]
     return ratio_interval(paired_ratios(*rounds), level)
+
+
+def table_row(
+    name: str, rounds: Sequence[Sequence[Call]], reference: Sequence[float], label: str = ""
+) -> str:
+    """One printed line of a side-by-side table (the benchmarks' scripts): the setting, tokens/s,
+    forwards per row, tokens per forward and the speed-up over `reference`'s per-round rates."""
+    calls = [c for r in rounds for c in r]
+    tokens, nfe = sum(sum(c.output_tokens) for c in calls), sum(sum(c.nfe) for c in calls)
+    rows = sum(len(c.output_tokens) for c in calls)
+    ratio = speedup(round_rates(rounds), reference)
+    return (
+        f"{name:34s} {label:>7s} {tokens_per_s(round_rates(rounds)):8.1f} {nfe / max(rows, 1):10.1f} "
+        f"{tokens / max(nfe, 1):8.2f}  {ratio.value:.2f} [{ratio.low:.2f}, {ratio.high:.2f}]"
+    )
 
 
 def interval_fields(name: str, ratio: Ratio | None) -> dict[str, Any]:
