@@ -172,7 +172,7 @@ class BenchmarkConfig:
     # (`DecodeConfig.draft="model"`): the reference's own tokens. At `drafter_batch_sizes`, both
     # flags of `constrained`; None = no such row. It counts as one of the reference's AR rows.
     drafter: str | None = None
-    drafter_tokens: int = 4
+    drafter_tokens: int = 8
     drafter_batch_sizes: tuple[int, ...] = (1,)
 
     @classmethod
