@@ -219,7 +219,20 @@ def test_decode_profile_and_variants_scripts_run_on_the_trained_models(dag_run: 
         "decode_variants.py",
         *inputs,
         *("--taus", "0.9", "--max-users", "2", "--threads", "1", "--json", str(tmp_path / "variants.json")),
+        *("--systems", "ar_rl", "rl", "--copy", "off", "on", "--cite", "off", "on", "--reference", "ar_rl"),
     )
     variants = json.loads((tmp_path / "variants.json").read_text())
-    assert [(v["mode"], v["n"]) for v in variants] == [("fused", 2), ("separate", 2)]
+    got = [(v["system"], v["mode"], v["copy_drafts"], v["cite_prompt_sids"], v["n"]) for v in variants]
+    ar = [("ar_rl", "fused", False, cite, 2) for cite in (False, True)]  # AR: no modes, taus or copy drafts
+    rl = [("rl", m, c, cite, 2) for m in ("fused", "separate") for c in (False, True) for cite in (False, True)]
+    assert got == ar + rl
     assert all(0.0 <= v["unforced_rate"] <= 1.0 and v["tokens_per_forward"] >= 1.0 for v in variants)
+    assert all(v["recall@1_vs_reference"] is not None for v in variants)
+    assert variants[0]["recall@1_vs_reference"] == [0.0, 0.0, 0.0]  # ar_rl against itself
+    out = run_script(
+        dag_run,
+        "draft_length.py",
+        *inputs,
+        *("--prompts", "2", "--rounds", "1", "--lookup", "2", "--model-drafts", "4", "--threads", "1"),
+    )
+    assert "ar_rl+pld 2" in out and "ar_rl+rl-draft 4" in out  # each asserted lossless on every prompt
