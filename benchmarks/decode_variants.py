@@ -94,8 +94,8 @@ def main() -> None:
         diffusion = getattr(model.config, "block_size", None) is not None
         for tau in args.taus if diffusion else [None]:  # AR systems: one setting, no copy drafts
             for window in args.windows if diffusion else [0]:
-                copies = args.copy if diffusion else ["off"]
-                for mode, jump, copy, cite in itertools.product(args.modes, args.jump, copies, args.cite):
+                copies, modes = (args.copy, args.modes) if diffusion else (["off"], ["fused"])
+                for mode, jump, copy, cite in itertools.product(modes, args.jump, copies, args.cite):
                     cfg = decode_config_for(model, tokenizer, tau, config, window=window or None)
                     cfg = dataclasses.replace(
                         cfg,

@@ -224,7 +224,9 @@ def test_decode_profile_and_variants_scripts_run_on_the_trained_models(dag_run: 
     variants = json.loads((tmp_path / "variants.json").read_text())
     got = [(v["system"], v["mode"], v["copy_drafts"], v["cite_prompt_sids"], v["n"]) for v in variants]
     ar = [("ar_rl", "fused", False, cite, 2) for cite in (False, True)]  # AR: no modes, taus or copy drafts
-    rl = [("rl", m, c, cite, 2) for m in ("fused", "separate") for c in (False, True) for cite in (False, True)]
+    rl = [
+        ("rl", m, c, cite, 2) for m in ("fused", "separate") for c in (False, True) for cite in (False, True)
+    ]
     assert got == ar + rl
     assert all(0.0 <= v["unforced_rate"] <= 1.0 and v["tokens_per_forward"] >= 1.0 for v in variants)
     assert all(v["recall@1_vs_reference"] is not None for v in variants)

@@ -305,7 +305,7 @@ def test_the_diffusion_drafted_row_writes_the_references_tokens_and_counts_as_an
         batch_sizes=(1, 2),
         constrained=(True, False),
         drafter="rl",
-        drafter_tokens=4,
+        drafter_tokens=None,  # the drafter's whole block (4)
         drafter_batch_sizes=(1,),
     )
     drafted = {(r["batch_size"], r["constrained"]) for r in result.rows if r["system"] == "ar_rl+rl-draft"}

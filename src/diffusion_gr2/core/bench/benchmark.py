@@ -168,11 +168,12 @@ class BenchmarkConfig:
     # `speedup_vs_best_ar` compares every row with the fastest of the reference's AR rows there.
     prompt_lookup_tokens: int | None = None
     # The lossless diffusion-drafted row `<reference>+<drafter>-draft`: this diffusion system drafts
-    # `drafter_tokens` tokens in one forward of its own, the reference verifies them in one forward
-    # (`DecodeConfig.draft="model"`): the reference's own tokens. At `drafter_batch_sizes`, both
-    # flags of `constrained`; None = no such row. It counts as one of the reference's AR rows.
+    # `drafter_tokens` tokens (None = its whole block; never more) in one forward of its own, the
+    # reference verifies them in one forward (`DecodeConfig.draft="model"`): the reference's own
+    # tokens. At `drafter_batch_sizes`, both flags of `constrained`; None = no such row. It counts as
+    # one of the reference's AR rows.
     drafter: str | None = None
-    drafter_tokens: int = 8
+    drafter_tokens: int | None = None
     drafter_batch_sizes: tuple[int, ...] = (1,)
 
     @classmethod
@@ -201,7 +202,9 @@ class TimedSetting:
     batch_size: int
     operating_point: bool  # as served: AR rows, `generate`, a diffusion system at its chosen (tau, window)
     budget: int | None = None  # max_new_tokens of the length sweep; None = the decoding's own
-    draft_tokens: int | None = None  # AR drafts (lossless): draft tokens per forward; None = off
+    draft_tokens: int | None = (
+        None  # AR drafts (lossless): draft tokens per forward; None = off (a drafter: its block)
+    )
     drafter: str | None = None  # the diffusion system writing the drafts; None = prompt lookup
 
     @property
@@ -270,9 +273,9 @@ def plan_settings(
             if not constrained:
                 drafted.append(TimedSetting(GENERATE, None, None, constrained, 1, True, None, k))
     if config.reference in systems and config.drafter in systems:
-        k, ref = int(config.drafter_tokens), config.reference
+        ref = config.reference
         drafted += [
-            TimedSetting(ref, None, None, constrained, b, True, None, k, config.drafter)
+            TimedSetting(ref, None, None, constrained, b, True, None, config.drafter_tokens, config.drafter)
             for constrained in config.constrained
             for b in config.drafter_batch_sizes
         ]
@@ -305,7 +308,7 @@ def plan_length_settings(settings: Sequence[TimedSetting], config: BenchmarkConf
     or the `unserved_tau` line of a system without one; not `generate`), once per budget."""
     lines: dict[str, TimedSetting] = {}
     for s in settings:
-        if s.batch_size != 1 or not s.constrained or s.system == GENERATE or s.draft_tokens:
+        if s.batch_size != 1 or not s.constrained or s.system == GENERATE or s.draft_tokens or s.drafter:
             continue
         unserved = (
             config.unserved_tau is not None and s.tau == float(config.unserved_tau) and s.window is None
@@ -336,9 +339,11 @@ def make_runner(
     rerank = replace(
         decoding, batch_size=setting.batch_size, max_new_tokens=setting.budget or decoding.max_new_tokens
     )
-    if setting.draft_tokens and setting.system != GENERATE:
-        kind = "prompt" if setting.drafter is None else "model"
-        rerank = replace(rerank, draft=kind, draft_tokens=int(setting.draft_tokens))
+    if setting.drafter is not None:  # at most the drafter's block
+        block = int(models[setting.drafter].config.block_size)
+        rerank = replace(rerank, draft="model", draft_tokens=min(setting.draft_tokens or block, block))
+    elif setting.draft_tokens and setting.system != GENERATE:
+        rerank = replace(rerank, draft="prompt", draft_tokens=int(setting.draft_tokens))
     if setting.system == GENERATE:
         hf_model = models[reference]
         hf_cfg = decode_config_for(hf_model, tokenizer, None, rerank)
