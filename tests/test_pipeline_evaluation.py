@@ -210,9 +210,18 @@ def test_benchmark_pipeline_times_ar_generate_and_each_operating_point(benchmark
         ("rl", 0.9, 2),
     ]
     expected = [(*line, c, b) for line in lines for c in (True, False) for b in (1, 4)]  # smoke: 1 and 4
+    # after the AR lines, rl drafting for ar_rl (lossless, batch 1, both flags)
+    expected[8:8] = [("ar_rl+rl-draft", None, None, c, 1) for c in (True, False)]
     expected.append(("rl", 0.9, None, True, 1))  # the sweep (smoke: tau 0.9, batch 1, as served)
     assert [(r["system"], r["tau"], r["window"], r["constrained"], r["batch_size"]) for r in rows] == expected
-    assert [r["operating_point"] for r in rows] == [True] * 12 + [False] * 4 + [True] * 4 + [False]
+    assert [r["operating_point"] for r in rows] == [True] * 14 + [False] * 4 + [True] * 4 + [False]
+    for c in (True, False):  # the drafted row writes ar_rl's tokens, in fewer forwards
+        plain, drafted = (
+            next(r for r in rows if r["system"] == s and r["constrained"] == c and r["batch_size"] == 1)
+            for s in ("ar_rl", "ar_rl+rl-draft")
+        )
+        assert drafted["mean_output_tokens"] == plain["mean_output_tokens"]
+        assert drafted["nfe_per_sample"] <= plain["nfe_per_sample"]
     assert all(0 < r["mean_output_tokens"] <= 160 and r["output_tokens_per_s"] > 0 for r in rows)
     for r in rows:  # speed-ups against ar_rl at the same batch size and grammar flag, in this run
         ref = next(
