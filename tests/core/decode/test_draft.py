@@ -97,16 +97,11 @@ def _same(drafted: list[DecodeOutput], plain: list[DecodeOutput]) -> None:
         assert a.token_logprobs == pytest.approx(b.token_logprobs, abs=1e-5)
 
 
-@pytest.mark.parametrize("batch_size", [1, 16])
-@pytest.mark.parametrize(("constrained", "jump_forward"), [(True, True), (True, False), (False, True)])
-def test_prompt_lookup_is_exact(
-    world, batch_size: int, constrained: bool, jump_forward: bool, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Every prompt of the world: drafted AR decoding writes plain AR decoding's tokens, log-probs
-    and corrections, free and under the answer grammar (with and without jump-forward), alone and
-    16 rows at once (rows that keep different drafts leave holes: counted, so the case is real)."""
+def _plain_case(world, batch_size: int, constrained: bool, jump_forward: bool, monkeypatch):  # type: ignore[no-untyped-def]
+    """A two-layer model (a wrong mask or position shows), the world's prompts, its plain AR
+    decode, and a list that counts the holes drafted decoding leaves from here on."""
     tokenizer, requests = world
-    model = tiny_model_for(tokenizer, num_layers=2)  # two layers: a wrong mask or position shows
+    model = tiny_model_for(tokenizer, num_layers=2)
     eos = tokenizer.convert_tokens_to_ids(IM_END)
     cfg = DecodeConfig(
         max_new_tokens=96, eos_token_ids=(eos,), batch_size=batch_size, jump_forward=jump_forward
@@ -122,6 +117,20 @@ def test_prompt_lookup_is_exact(
         return with_holes(layout, end, rows)
 
     monkeypatch.setattr(decoder, "_with_holes", counted)
+    return tokenizer, model, cfg, prompts, grammars, plain, holes
+
+
+@pytest.mark.parametrize("batch_size", [1, 16])
+@pytest.mark.parametrize(("constrained", "jump_forward"), [(True, True), (True, False), (False, True)])
+def test_prompt_lookup_is_exact(
+    world, batch_size: int, constrained: bool, jump_forward: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every prompt of the world: drafted AR decoding writes plain AR decoding's tokens, log-probs
+    and corrections, free and under the answer grammar (with and without jump-forward), alone and
+    16 rows at once (rows that keep different drafts leave holes: counted, so the case is real)."""
+    tokenizer, model, cfg, prompts, grammars, plain, holes = _plain_case(
+        world, batch_size, constrained, jump_forward, monkeypatch
+    )
     for k in (1, 3, 10):
         drafted = decode(model, prompts, dataclasses.replace(cfg, draft="prompt", draft_tokens=k), grammars)
         _same(drafted, plain)
@@ -197,23 +206,9 @@ def test_model_drafts_are_exact(
     drafter's cache counted, so the case is real), from a drafter that shares the target's weights
     (most first proposals kept: a wrong drafter cache or position would show as fewer forwards saved)
     and from an unrelated one (most proposals rejected)."""
-    tokenizer, requests = world
-    model = tiny_model_for(tokenizer, num_layers=2)
-    eos = tokenizer.convert_tokens_to_ids(IM_END)
-    cfg = DecodeConfig(
-        max_new_tokens=96, eos_token_ids=(eos,), batch_size=batch_size, jump_forward=jump_forward
+    tokenizer, model, cfg, prompts, grammars, plain, holes = _plain_case(
+        world, batch_size, constrained, jump_forward, monkeypatch
     )
-    prompts = [list(p) for p in requests["prompt_ids"]]
-    grammars = request_grammars(tokenizer, requests) if constrained else None
-    plain = decode(model, prompts, cfg, grammars)
-    holes: list[int] = []
-    with_holes = decoder._with_holes
-
-    def counted(layout, end, rows):  # type: ignore[no-untyped-def]
-        holes.append(sum(rows))
-        return with_holes(layout, end, rows)
-
-    monkeypatch.setattr(decoder, "_with_holes", counted)
     twin = _drafter_like(model, tokenizer.mask_token_id)
     unrelated = tiny_model_for(tokenizer, block_size=4, num_layers=2)
     torch.manual_seed(3)
