@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import functools
 import os
 import shutil
+import sqlite3
+import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -24,14 +28,43 @@ DATA_LAYERS = (
 )
 
 
+@functools.cache
+def _empty_store_template() -> Path:
+    """An sqlite MLflow store with every table created, built once per test session."""
+    from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
+
+    root = Path(tempfile.mkdtemp(prefix="mlflow-template-"))
+    atexit.register(shutil.rmtree, root, ignore_errors=True)
+    SqlAlchemyStore(f"sqlite:///{root / 'mlflow.db'}", str(root / "mlruns")).engine.dispose()
+    return root / "mlflow.db"
+
+
+def empty_mlflow_store(db: Path) -> str:
+    """A new, empty sqlite MLflow store at ``db``; its URI.
+
+    MLflow's schema migrations take 2-3 s per new store on two cores, and the suite makes dozens: each
+    store is a copy of one migrated file, its Default experiment pointed where MLflow would point it
+    for a process started in ``db``'s folder.
+    """
+    shutil.copyfile(_empty_store_template(), db)
+    with contextlib.closing(sqlite3.connect(db)) as con, con:
+        con.execute(
+            "UPDATE experiments SET artifact_location = ? WHERE experiment_id = 0",
+            (str(db.parent / "mlruns" / "0"),),
+        )
+    return f"sqlite:///{db}"
+
+
 def make_project_copy(target: Path) -> Path:
-    """conf/ + pyproject.toml in ``target`` with empty data layers: a project Kedro can run there."""
+    """conf/ + pyproject.toml in ``target`` with empty data layers and an empty MLflow store
+    (``mlflow.db``): a project Kedro can run there."""
     shutil.copytree(PROJECT_ROOT / "conf", target / "conf", ignore=shutil.ignore_patterns("local"))
     (target / "conf" / "local").mkdir()
     shutil.copy(PROJECT_ROOT / "pyproject.toml", target / "pyproject.toml")
     (target / "src").mkdir()  # Kedro checks it exists; the package itself is installed (editable)
     for layer in DATA_LAYERS:
         (target / "data" / layer).mkdir(parents=True)
+    empty_mlflow_store(target / "mlflow.db")
     return target
 
 

@@ -19,7 +19,7 @@ from diffusion_gr2.core.evaluate.metrics import METRICS
 from diffusion_gr2.core.evaluate.rankings import stage_metrics
 from diffusion_gr2.core.model.factory import save_model
 from diffusion_gr2.core.rank.rerank import AR_SYSTEMS, DIFFUSION_SYSTEMS, SYSTEMS
-from tests.conftest import isolated_project, run_kedro
+from tests.conftest import empty_mlflow_store, isolated_project, run_kedro
 from tests.core.model.tiny import tiny_model_for
 from tests.core.rank.world import make_world
 
@@ -190,7 +190,7 @@ def benchmark_run(evaluation_run: Path, tmp_path_factory: pytest.TempPathFactory
     threads = torch.get_num_threads()  # the benchmark sets the process's thread count
     with pytest.MonkeyPatch.context() as patch:
         patch.chdir(root)
-        patch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{root / 'mlflow.db'}")
+        patch.setenv("MLFLOW_TRACKING_URI", empty_mlflow_store(root / "mlflow.db"))
         try:
             run_kedro(root, ["benchmark"])
         finally:

@@ -102,6 +102,16 @@ def ops(argv: list[str]) -> int:
     """
     import warnings
 
+    args = _parser().parse_args(argv)
+    if args.command == "results":  # reads JSON reports only: no MLflow, torch or Kedro to import
+        from diffusion_gr2.core.evaluate.results import ResultsError, results_markdown
+
+        try:
+            sys.stdout.write(results_markdown(args.reporting))
+        except ResultsError as err:
+            sys.stderr.write(f"{err}\n")
+            return 1
+        return 0
     # MLflow warns on import that `RerankerModel.predict` has no type hints (on purpose, see
     # serving.py), past any filter (it sets its own): recorded and dropped, so stderr holds only
     # what a command says
@@ -112,17 +122,6 @@ def ops(argv: list[str]) -> int:
             check_target,
             lineage_lines,
         )
-
-    args = _parser().parse_args(argv)
-    if args.command == "results":
-        from diffusion_gr2.core.evaluate.results import ResultsError, results_markdown
-
-        try:
-            sys.stdout.write(results_markdown(args.reporting))
-        except ResultsError as err:
-            sys.stderr.write(f"{err}\n")
-            return 1
-        return 0
     if args.command == "retrain":
         return retrain(args.env, args.force, _mlflow_client())
     try:

