@@ -1,12 +1,13 @@
 """Where decoding time goes: model forward vs the rest (grammar, commit rule, bookkeeping).
 
     .venv/bin/python benchmarks/decode_profile.py [--systems ar_rl rl] [--taus 0.9 0.6] [--windows 0 4]
-        [--batch-sizes 1 16] [--backends lean eager] [--n 16] [--threads 2] [--no-fused] [--free]
-        [--no-jump] [--compile] [--rounds 3] [--cost-rounds 15] [--repeats 10] [--json OUT.json]
+        [--batch-sizes 1 16] [--backends lean eager] [--n 16] [--split test] [--threads 2] [--no-fused]
+        [--free] [--no-jump] [--compile] [--rounds 3] [--cost-rounds 15] [--repeats 10] [--json OUT.json]
     .venv/bin/python benchmarks/decode_profile.py --random [--vocab 2256] [--block-size 8] [--prompt-len 262]
 
-Decodes the first `--n` test requests of the trained models in `data/06_models/<system>` (as the
-`benchmark` pipeline does: the answer grammar on unless `--free`) and splits the wall time into
+Decodes the first `--n` requests of `--split` (test) with the trained models in
+`data/06_models/<system>` (as the `benchmark` pipeline does: the answer grammar on unless `--free`)
+and splits the wall time into
 * `forward`: the decoder's model calls (`_CachedRunner.forward`: transformer and LM head),
 * `grammar`: the answer grammar's checks and corrections (`_constrain_commits`),
 * `other`: everything else (commit rule, canvas bookkeeping, Python between forwards).
@@ -334,6 +335,7 @@ def _arguments() -> argparse.Namespace:
     parser.add_argument(
         "--n", type=int, default=16, help="requests decoded per call (a multiple of each batch size)"
     )
+    parser.add_argument("--split", default="test", choices=["valid", "test"], help="whose first --n requests")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds of the decode settings")
     parser.add_argument("--cost-rounds", type=int, default=15, help="interleaved rounds of the step kinds")
@@ -380,8 +382,8 @@ def main() -> None:
         report["step_costs"] = _step_table("random", model, prompt, args)
     else:
         tokenizer = AutoTokenizer.from_pretrained(args.models / "tokenizer", local_files_only=True)
-        requests = select_requests(pd.read_parquet(args.requests), "test", args.n)
-        print(f"{len(requests)} requests, grammar {'off' if args.free else 'on'}")
+        requests = select_requests(pd.read_parquet(args.requests), args.split, args.n)
+        print(f"{len(requests)} {args.split} requests, grammar {'off' if args.free else 'on'}")
         report["settings"] = _decode_profile(args, tokenizer, requests)
         _print_rows(report["settings"])
         prompt = list(requests["prompt_ids"].iloc[0])

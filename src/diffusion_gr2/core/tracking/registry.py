@@ -21,7 +21,7 @@ import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import mlflow
 import pandas as pd
@@ -29,7 +29,9 @@ from mlflow import MlflowClient
 from mlflow.exceptions import MlflowException
 
 from diffusion_gr2.core.tracking.mlflow_utils import NotFoundError, model_version, registered_model
-from diffusion_gr2.core.tracking.serving import INPUT_EXAMPLE, SIGNATURE, RerankerModel, ServingConfig
+
+if TYPE_CHECKING:  # serving imports torch and the decoder: ~7 s the read-only commands do not need
+    from diffusion_gr2.core.tracking.serving import ServingConfig
 
 logger = logging.getLogger(__name__)
 
@@ -104,6 +106,8 @@ def register_reranker(
     The new version gets the `challenger` alias, its serving settings and `tags` as version tags.
     Without an active run a run named ``register-<name>`` is opened for it.
     """
+    from diffusion_gr2.core.tracking.serving import INPUT_EXAMPLE, SIGNATURE, RerankerModel
+
     client = client or MlflowClient()
     with tempfile.TemporaryDirectory() as tmp:
         catalogue = Path(tmp) / "catalogue"
