@@ -34,6 +34,7 @@ TRAINED = ("ar_sft", "ar_rl", "cft", "opd", "rl")
 ACCUMULATE = ",".join(
     f"{s}.train.grad_accum=2" for s in ("teacher_midtrain", "teacher_sft", "teacher_rl", "cft", "opd", "rl")
 )
+PREPARED_LAYERS = ("01_raw", "02_intermediate", "03_primary", "04_feature", "05_model_input")
 LONG_RL = "rl.train.max_steps=24"  # 6 rollout batches: time to kill a rank between checkpoints
 LOGGING = """\
 version: 1
@@ -97,10 +98,13 @@ def _runs(project: Path) -> list[tuple[str, str]]:
 
 
 @pytest.fixture(scope="module")
-def prepared(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A smoke project with data, semantic IDs, retrieval and traces done (one process)."""
+def prepared(dag_run: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A smoke project with data, semantic IDs, retrieval and traces done: the session's smoke run's
+    outputs of those stages (layers 01-05 and the tokenizer), no model, checkpoint or report."""
     project = make_project_copy(tmp_path_factory.mktemp("prepared"))
-    _run(_one_process_cmd("--pipelines", "data_prep,semantic_ids,retrieval,traces"), project)
+    for layer in PREPARED_LAYERS:
+        shutil.copytree(dag_run / "data" / layer, project / "data" / layer, dirs_exist_ok=True)
+    shutil.copytree(dag_run / "data/06_models/tokenizer", project / "data/06_models/tokenizer")
     return project
 
 
@@ -132,7 +136,7 @@ def test_two_processes_train_what_one_process_with_the_same_global_batch_trains(
 def test_a_launch_is_one_mlflow_run_and_rank_0_writes_every_output_once(launched: tuple[Path, str]) -> None:
     project, log = launched
     runs = _runs(project)
-    assert len(runs) == 2 and all(status == "FINISHED" for _, status in runs)  # the prep run, the launch
+    assert len(runs) == 1 and all(status == "FINISHED" for _, status in runs)  # the launch's
     saves = re.findall(r"^pid=(\d+) \S+ Saving data to (\S+) ", log, flags=re.M)
     assert {pid for pid, _ in saves} and len({pid for pid, _ in saves}) == 1, "saves from several processes"
     counts = collections.Counter(name for _, name in saves)
