@@ -97,7 +97,7 @@ def run_script(project: Path, script: str, *args: str) -> str:
 
     The script runs as `__main__` with its command line in `sys.argv` and the project as working
     directory, in this process: a new interpreter would spend ~8 s importing torch, transformers and
-    Kedro again, for each of the eight scripts run here. The thread count it sets is put back.
+    Kedro again, for each of the seven scripts run here. The thread count it sets is put back.
     """
     path, out, threads = PROJECT_ROOT / "benchmarks" / script, io.StringIO(), torch.get_num_threads()
     with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(out):

@@ -25,7 +25,7 @@ import pytest
 import safetensors.torch
 import torch
 
-from tests.conftest import make_project_copy
+from tests.conftest import DATA_LAYERS, make_project_copy
 
 BIN = Path(sys.executable).parent
 STAGES = "teacher,conversion,cft,opd,rl"
@@ -34,7 +34,7 @@ TRAINED = ("ar_sft", "ar_rl", "cft", "opd", "rl")
 ACCUMULATE = ",".join(
     f"{s}.train.grad_accum=2" for s in ("teacher_midtrain", "teacher_sft", "teacher_rl", "cft", "opd", "rl")
 )
-PREPARED_LAYERS = ("01_raw", "02_intermediate", "03_primary", "04_feature", "05_model_input")
+PREPARED_LAYERS = DATA_LAYERS[:5]  # 01_raw .. 05_model_input: what the four preparing stages write
 LONG_RL = "rl.train.max_steps=24"  # 6 rollout batches: time to kill a rank between checkpoints
 LOGGING = """\
 version: 1
