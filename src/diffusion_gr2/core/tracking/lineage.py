@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import os
 import subprocess
+import warnings
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -143,7 +144,11 @@ def log_record(record: NodeRecord) -> None:
     for name, entry in record.inputs.items():
         if entry["digest"] is None or entry["path"] is None:
             continue
-        source = resolve_dataset_source(str(Path(entry["path"]).resolve()))
+        with warnings.catch_warnings():
+            # A local path matches the two local artifact sources MLflow registers (schemes "" and
+            # "file", one class name): the same source either way, not worth a warning a node.
+            warnings.filterwarnings("ignore", message="The specified dataset source can be interpreted")
+            source = resolve_dataset_source(str(Path(entry["path"]).resolve()))
         kind = "model" if name.startswith("model_") or entry["digest"].endswith(".dir") else "dataset"
         dataset = MetaDataset(source=source, name=name, digest=entry["digest"])
         mlflow.log_input(dataset, context=record.node, tags={"kind": kind})
