@@ -83,6 +83,26 @@ def test_sweep_cap_applies_to_the_sweep_rows_only(world) -> None:
             pd.testing.assert_frame_equal(rows[["user_id", "point"]].reset_index(drop=True), first)
 
 
+def test_a_candidate_far_below_the_own_valid_floor_stops_at_the_screen(world) -> None:
+    """`operating_point.floor_screen`: random weights answer nothing their own, so with a floor of
+    0.5 the candidate decodes only the screen's first requests on validation and is refused."""
+    tokenizer, requests = world
+    params = _params(CAP)
+    params["operating_point"] |= {"min_unforced_rate": 0.5, "floor_screen": {"requests": 2, "z": 1.0}}
+    ar = make_rerank_node("ar_rl")(tiny_model_for(tokenizer), requests, tokenizer, params)
+    result = make_rerank_node("rl")(tiny_model_for(tokenizer, block_size=4), requests, tokenizer, params, ar)
+    point = result["operating_point"]
+    assert point["tau"] is None and "own valid rate >= 0.50" in point["refused"]
+    (candidate,) = point["candidates"]
+    assert candidate["n"] == 2 and candidate["recall@1_vs_ar_rl.n"] == 2
+    assert candidate["floor_screen"] == {"n": 2, "own_valid_upper": pytest.approx(1 / 3), "passed": False}
+    assert _n_by_pass(result["rankings"])[("valid", 0.5)] == 2
+    # Without a floor the screen has nothing to test against: every validation request is decoded.
+    del params["operating_point"]["min_unforced_rate"]
+    full = make_rerank_node("rl")(tiny_model_for(tokenizer, block_size=4), requests, tokenizer, params, ar)
+    assert _n_by_pass(full["rankings"])[("valid", 0.5)] == N_USERS
+
+
 def test_each_candidate_holds_its_paired_interval_against_the_reference(world) -> None:
     """operating_point.json: every candidate's R@1 - ar_rl on the same validation requests, with the
     paired bootstrap interval; the rule reads its lower bound."""

@@ -13,6 +13,7 @@ from diffusion_gr2.core.evaluate.metrics import paired_bootstrap
 from diffusion_gr2.core.rank.operating_point import (
     OperatingPointError,
     choose_operating_point,
+    floor_screen,
     paired_key,
     paired_recall,
     refused_operating_point,
@@ -75,6 +76,21 @@ def test_an_own_valid_rate_floor_excludes_settings_the_grammar_carries() -> None
     assert point["tau"] == 0.9 and point["min_unforced_rate"] == 0.5
     with pytest.raises(OperatingPointError, match="own valid rate >= 0.70"):
         choose_operating_point(table, 0.20, 0.01, min_unforced_rate=0.7)
+
+
+def test_the_floor_screen_is_the_wilson_upper_bound_and_spares_only_settings_far_below() -> None:
+    # Hand-computed Wilson bounds: 10 own-valid answers of 151 at z 3.09 -> 0.158; 72 of 151 -> 0.600.
+    low = floor_screen(10 / 151, 151, 0.5, 3.09)
+    assert low["n"] == 151 and low["own_valid_upper"] == pytest.approx(0.1579, abs=5e-4)
+    assert not low["passed"]
+    near = floor_screen(72 / 151, 151, 0.5, 3.09)  # 0.477 observed: 0.5 is still within reach
+    assert near["own_valid_upper"] == pytest.approx(0.6000, abs=5e-4) and near["passed"]
+    # The bound falls with n at a fixed rate, and sits above the rate itself.
+    bounds = [floor_screen(0.4, n, 0.5, 3.09)["own_valid_upper"] for n in (20, 151, 1286)]
+    assert bounds == sorted(bounds, reverse=True) and all(b > 0.4 for b in bounds)
+    assert not floor_screen(0.4, 1286, 0.5, 3.09)["passed"] and floor_screen(0.4, 151, 0.5, 3.09)["passed"]
+    assert floor_screen(0.0, 2, 0.5, 1.0)["own_valid_upper"] == pytest.approx(1 / 3)
+    assert floor_screen(math.nan, 0, 0.5, 3.09)["passed"]  # nothing decoded: nothing refused
 
 
 def test_refuses_when_nothing_meets_the_budget() -> None:

@@ -13,6 +13,7 @@ import pytest
 import torch
 from transformers import PreTrainedTokenizerFast
 
+import diffusion_gr2.core.rank.rerank as rerank_module
 from diffusion_gr2.core.decode.decoder import DecodeOutput
 from diffusion_gr2.core.evaluate.metrics import METRICS
 from diffusion_gr2.core.evaluate.plots import metric_figure, valid_rate_figure
@@ -31,6 +32,7 @@ from diffusion_gr2.core.rank.rerank import (
     ranking_rows,
     request_grammars,
     rerank,
+    rerank_screened,
     rerank_system,
     select_requests,
 )
@@ -109,6 +111,42 @@ def test_constrained_rerank_serves_the_models_own_valid_ranking(world) -> None:
     assert (
         metrics["valid_rate"] == 1.0 and metrics["unforced_rate"] == 0.0 and metrics["fallback_rate"] == 0.0
     )
+
+
+def test_a_screened_candidate_stops_at_the_head_and_a_kept_one_equals_the_full_pass(
+    world, monkeypatch
+) -> None:
+    tokenizer, requests = world
+    model = tiny_model_for(tokenizer, block_size=4)
+    config = RerankConfig(max_new_tokens=48, batch_size=4)  # random weights: no answer its own
+    settings = [(0.9, None), (0.6, 2)]
+    full, full_speeds = rerank_system(model, requests, tokenizer, "rl", settings, config, "valid")
+    # Floor 0: every setting passes the screen and decodes every request, as one full pass would.
+    kept, kept_speeds = rerank_screened(model, requests, tokenizer, "rl", settings, config, 0.0, 2, 1.0)
+    cols = ["tau", "window", "user_id", "point", "output_text", "ranking", "nfe", "unforced"]
+    pd.testing.assert_frame_equal(kept[cols], full[cols])
+    for mine, ref in zip(kept_speeds, full_speeds, strict=True):
+        assert mine["floor_screen"]["passed"] and mine["floor_screen"]["n"] == 2
+        same = ("tau", "window", "n", "recall@1", "unforced_rate", "tokens_per_forward")
+        assert {k: mine[k] for k in same} == {k: ref[k] for k in same}
+    # Floor 0.5: 0 of 2 own answers has a Wilson upper bound of 1/3 at z 1, so both stop at two.
+    cut, cut_speeds = rerank_screened(model, requests, tokenizer, "rl", settings, config, 0.5, 2, 1.0)
+    assert len(cut) == 2 * len(settings)
+    assert cut["user_id"].tolist() == requests["user_id"].head(2).tolist() * len(settings)
+    assert [(s["n"], s["floor_screen"]["passed"]) for s in cut_speeds] == [(2, False)] * len(settings)
+    assert [s["unforced_rate"] for s in cut_speeds] == [0.0, 0.0]
+    # One kept, one stopped: each setting's rows are its own pass's, the kept one's whole.
+    verdicts = iter([True, False])
+    monkeypatch.setattr(
+        rerank_module,
+        "floor_screen",
+        lambda rate, n, floor, z: {"n": n, "own_valid_upper": math.nan, "passed": next(verdicts)},
+    )
+    mixed, mixed_speeds = rerank_screened(model, requests, tokenizer, "rl", settings, config, 0.5, 2, 1.0)
+    first = full[full["tau"] == 0.9].reset_index(drop=True)
+    pd.testing.assert_frame_equal(mixed[mixed["tau"] == 0.9].reset_index(drop=True)[cols], first[cols])
+    assert len(mixed[mixed["tau"] == 0.6]) == 2 and [s["n"] for s in mixed_speeds] == [len(requests), 2]
+    assert mixed_speeds[0]["recall@1"] == full_speeds[0]["recall@1"]
 
 
 def test_decode_config_for_reads_model_and_tokenizer(world) -> None:

@@ -35,6 +35,7 @@ from diffusion_gr2.core.decode.grammar import AnswerGrammar, accepts, answer_gra
 from diffusion_gr2.core.evaluate.metrics import (
     user_values,
 )
+from diffusion_gr2.core.rank.operating_point import floor_screen
 from diffusion_gr2.core.text.parser import OK, apply_fallback, parse_answer
 from diffusion_gr2.core.text.tokenizer import IM_END, decode_response
 
@@ -59,7 +60,10 @@ __all__ = [
     "own_answers",
     "own_valid_flags",
     "own_validity",
+    "pass_figures",
+    "rerank_screened",
     "select_requests",
+    "setting_rows",
 ]
 
 SYSTEMS = ("prerank", "ar_sft", "ar_rl", "naive", "cft", "opd", "rl")  # DESIGN §10, in report order
@@ -380,8 +384,9 @@ def rerank_system(
 ) -> tuple[pd.DataFrame, list[dict[str, Any]]]:
     """All rows of one system on one split, one pass per (tau, window) setting, and each pass's speed.
 
-    An AR system decodes once (no tau, no window) whatever `settings` holds. The speed rows hold
-    `tau`, `window`, `split`, `tokens_per_s` (output tokens over the pass's wall time) and `recall@1`.
+    An AR system decodes once (no tau, no window) whatever `settings` holds. The speed rows
+    (`pass_figures`) hold `tau`, `window`, `split`, `n`, `decode_s`, `tokens_per_s` (output tokens
+    over the pass's wall time), `tokens_per_forward`, `recall@1` and `unforced_rate`.
     """
     grid = [(None, None)] if system in AR_SYSTEMS else [(float(t), w) for t, w in settings]
     # Built once (a large vocabulary takes a while to tabulate); decoding only ever advances copies.
@@ -390,19 +395,83 @@ def rerank_system(
     for tau, window in grid:
         cfg = decode_config_for(model, tokenizer, tau, config, window=window)
         rows = rerank(model, requests, tokenizer, cfg, system, tau, grammars, split)
-        speeds.append(
-            {
-                "tau": tau,
-                "window": window,
-                "split": split,
-                "n": len(rows),
-                "tokens_per_s": float(rows["output_tokens"].sum()) / max(rows.attrs["decode_s"], 1e-9),
-                "tokens_per_forward": float(rows["output_tokens"].sum()) / max(int(rows["nfe"].sum()), 1),
-                "recall@1": float(user_values(rows)["recall@1"].mean()) if len(rows) else float("nan"),
-                "unforced_rate": float(own_valid_flags(rows).mean()) if len(rows) else float("nan"),
-            }
-        )
+        speeds.append(pass_figures(rows, tau, window, split, rows.attrs["decode_s"]))
         frames.append(rows)
+    return pd.concat(frames, ignore_index=True), speeds
+
+
+def pass_figures(
+    rows: pd.DataFrame, tau: float | None, window: int | None, split: str, decode_s: float
+) -> dict[str, Any]:
+    """The speed row of one pass (`rows`, decoded in `decode_s` seconds of wall time)."""
+    return {
+        "tau": tau,
+        "window": window,
+        "split": split,
+        "n": len(rows),
+        "decode_s": float(decode_s),
+        "tokens_per_s": float(rows["output_tokens"].sum()) / max(decode_s, 1e-9),
+        "tokens_per_forward": float(rows["output_tokens"].sum()) / max(int(rows["nfe"].sum()), 1),
+        "recall@1": float(user_values(rows)["recall@1"].mean()) if len(rows) else float("nan"),
+        "unforced_rate": float(own_valid_flags(rows).mean()) if len(rows) else float("nan"),
+    }
+
+
+def setting_rows(rows: pd.DataFrame, tau: float | None, window: int | None) -> pd.DataFrame:
+    """The rows of one (tau, window) pass of a system's frame (NaN tau: AR; NaN window: whole block)."""
+    same_tau = rows["tau"].isna() if tau is None else rows["tau"] == tau
+    same_window = rows["window"].isna() if window is None else rows["window"] == window
+    return rows[same_tau & same_window]
+
+
+def rerank_screened(
+    model: PreTrainedModel,
+    requests: pd.DataFrame,
+    tokenizer: PreTrainedTokenizerBase,
+    system: str,
+    settings: Sequence[tuple[float | None, int | None]],
+    config: RerankConfig,
+    floor: float,
+    screen_requests: int,
+    z: float,
+    split: str = "valid",
+) -> tuple[pd.DataFrame, list[dict[str, Any]]]:
+    """`rerank_system` for candidates that must keep an own valid rate of `floor`, screened first.
+
+    Every setting decodes the first `screen_requests`; one whose `floor_screen` fails there stops
+    (its rows and figures are those requests', `floor_screen` records why), the others decode the
+    rest, and their rows and figures are `rerank_system`'s over every request (greedy decoding does
+    not depend on the batching). Each speed row carries its `floor_screen`.
+    """
+    n = int(screen_requests)
+    if len(requests) <= n:
+        return rerank_system(model, requests, tokenizer, system, settings, config, split)
+    head_rows, head = rerank_system(model, requests.head(n), tokenizer, system, settings, config, split)
+    screens = [floor_screen(s["unforced_rate"], s["n"], floor, z) for s in head]
+    for s, screen in zip(head, screens, strict=True):
+        if not screen["passed"]:
+            logger.info(
+                "%s tau %s, window %s: own valid %.2f on the first %d %s requests (upper bound %.2f < "
+                "the floor %.2f): refused on the floor, the other %d requests not decoded",
+                system, s["tau"], s["window"], s["unforced_rate"], n, split, screen["own_valid_upper"],
+                floor, len(requests) - n,
+            )  # fmt: skip
+    kept = [(s["tau"], s["window"]) for s, screen in zip(head, screens, strict=True) if screen["passed"]]
+    rest_rows, rest = (
+        rerank_system(model, requests.iloc[n:], tokenizer, system, kept, config, split)
+        if kept
+        else (head_rows.iloc[:0], [])
+    )
+    rest_s = {(r["tau"], r["window"]): r["decode_s"] for r in rest}
+    frames, speeds = [], []
+    for s, screen in zip(head, screens, strict=True):
+        key = (s["tau"], s["window"])
+        rows = setting_rows(head_rows, *key)
+        if key in rest_s:
+            rows = pd.concat([rows, setting_rows(rest_rows, *key)], ignore_index=True)
+            s = pass_figures(rows, *key, split, s["decode_s"] + rest_s[key])
+        frames.append(rows)
+        speeds.append(s | {"floor_screen": screen})
     return pd.concat(frames, ignore_index=True), speeds
 
 

@@ -39,8 +39,10 @@ from diffusion_gr2.core.rank.rerank import (
     prepare_model,
     prerank_rows,
     request_grammars,
+    rerank_screened,
     rerank_system,
     select_requests,
+    setting_rows,
 )
 from diffusion_gr2.core.tracking.mlflow_utils import as_metrics_history
 
@@ -133,7 +135,14 @@ def make_rerank_node(system: str) -> Callable[..., pd.DataFrame | dict[str, Any]
             cap = _valid_cap(system, params, chooses)
             valid = valid if cap is None else valid.head(int(cap))
             settings = operating_point_settings(params) if chooses else _sweep(params, system)
-            rows, speeds = rerank_system(model, valid, tokenizer, system, settings, config, "valid")
+            screen = params["operating_point"].get("floor_screen") if chooses else None
+            floor = params["operating_point"].get("min_unforced_rate")
+            if screen and floor is not None:
+                rows, speeds = rerank_screened(
+                    model, valid, tokenizer, system, settings, config, floor, screen["requests"], screen["z"]
+                )
+            else:
+                rows, speeds = rerank_system(model, valid, tokenizer, system, settings, config, "valid")
             frames.append(rows)
             if chooses:
                 timing = params["operating_point"].get("timing")
@@ -199,12 +208,6 @@ def _timed_speeds(
     ]
 
 
-def _pass_rows(rows: pd.DataFrame, tau: float, window: int | None) -> pd.DataFrame:
-    """The rows of one (tau, window) pass of a system's frame (window NaN = the whole block)."""
-    same_window = rows["window"].isna() if window is None else rows["window"] == window
-    return rows[(rows["tau"] == tau) & same_window]
-
-
 def _operating_point(
     system: str,
     speeds: list[dict[str, Any]],
@@ -222,7 +225,7 @@ def _operating_point(
         return refused_operating_point(speeds, float("nan"), budget, reason, name)
     n_boot, key = int(params.get("n_boot", 1000)), paired_key(name)
     speeds = [
-        s | paired_recall(_pass_rows(rows, s["tau"], s["window"]), ref_rows, name, n_boot) for s in speeds
+        s | paired_recall(setting_rows(rows, s["tau"], s["window"]), ref_rows, name, n_boot) for s in speeds
     ]
     for s in speeds:
         logger.info(
