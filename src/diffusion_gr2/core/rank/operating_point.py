@@ -84,16 +84,18 @@ def floor_screen(unforced_rate: float, n: int, floor: float, z: float) -> dict[s
 
     The Wilson score upper bound of its own valid rate at `z` (3.09: one-sided 0.1%); below
     `floor` the candidate is refused on the floor without decoding the rest of validation: at
-    rl's tau 0.6 (own valid 3-7%) that saves ~85% of its two validation passes. A candidate near
-    the floor (bound >= floor) always decodes every request, so the rule only ever skips work on
-    settings that the floor would refuse anyway.
+    rl's tau 0.6 (own valid 3-7%) that saves ~85% of its two validation passes. A candidate within
+    reach of the floor (bound >= floor) decodes every request. Were the first `n` a random sample,
+    a candidate whose rate is at the floor would be cut with probability under 0.1%; they are the
+    first in `select_requests` order (the same head the capped passes use), so a rate that drifts
+    along that order adds to it, which is why `z` is set this far out.
     """
     if n <= 0 or math.isnan(unforced_rate):
         return {"n": n, "own_valid_upper": math.nan, "passed": True}
     centre = unforced_rate + z * z / (2 * n)
     spread = z * math.sqrt(unforced_rate * (1 - unforced_rate) / n + z * z / (4 * n * n))
     upper = min(1.0, (centre + spread) / (1 + z * z / n))
-    return {"n": n, "own_valid_upper": upper, "passed": upper >= floor}
+    return {"n": int(n), "own_valid_upper": float(upper), "passed": bool(upper >= floor)}
 
 
 def choose_operating_point(
