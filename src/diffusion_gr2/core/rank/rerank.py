@@ -444,10 +444,10 @@ def rerank_screened(
     not depend on the batching). Each speed row carries its `floor_screen`.
     """
     n = int(screen_requests)
-    if len(requests) <= n:
-        return rerank_system(model, requests, tokenizer, system, settings, config, split)
     head_rows, head = rerank_system(model, requests.head(n), tokenizer, system, settings, config, split)
     screens = [floor_screen(s["unforced_rate"], s["n"], floor, z) for s in head]
+    if len(requests) <= n:  # the screen saw every request: nothing left to spare
+        return head_rows, [s | {"floor_screen": screen} for s, screen in zip(head, screens, strict=True)]
     for s, screen in zip(head, screens, strict=True):
         if not screen["passed"]:
             logger.info(
@@ -460,7 +460,7 @@ def rerank_screened(
     rest_rows, rest = (
         rerank_system(model, requests.iloc[n:], tokenizer, system, kept, config, split)
         if kept
-        else (head_rows.iloc[:0], [])
+        else (None, [])
     )
     rest_s = {(r["tau"], r["window"]): r["decode_s"] for r in rest}
     frames, speeds = [], []
