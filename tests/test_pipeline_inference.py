@@ -144,6 +144,19 @@ def test_the_operating_point_ranks_candidates_by_their_timed_speed(world) -> Non
         assert c["statistic"].startswith("median of 1 interleaved round")
     fastest = max(point["candidates"], key=lambda c: c["tokens_per_s"])
     assert (point["tau"], point["window"]) == (fastest["tau"], fastest["window"])
+    # The speed floor reads the timed batch-1 speed-up: one no setting can reach refuses them all,
+    # and a batch size the timing did not run cannot show a candidate faster than the reference.
+    for floor, batch in ((1000.0, 1), (0.0, 16)):
+        params["operating_point"] |= {"min_speed_ratio": floor, "speed_batch_size": batch}
+        refused = make_rerank_node("rl")(diffusion, requests, tokenizer, params, ar, ar_model)[
+            "operating_point"
+        ]
+        assert refused["tau"] is None and f"at batch {batch}" in refused["refused"]
+    params["operating_point"] |= {"min_speed_ratio": 0.0, "speed_batch_size": 1}
+    floor_zero = make_rerank_node("rl")(diffusion, requests, tokenizer, params, ar, ar_model)[
+        "operating_point"
+    ]
+    assert floor_zero["tau"] is not None and floor_zero["speed_batch_size"] == 1
 
 
 def test_no_validation_prompts_leave_the_passes_speeds_untimed(world, caplog) -> None:

@@ -4,7 +4,10 @@ Chosen on the *validation* split, never on test: among the decoding settings tri
 fastest whose paired R@1 difference against the AR teacher on the same requests has a 95% interval
 whose lower bound is at least `-budget` (`paired_recall`: users resampled, as in the evaluation).
 A point estimate within the budget on ~190 requests, where that interval is +-5-6 points, admits
-settings by chance; the lower bound admits only those shown to lose at most `budget`. The choice
+settings by chance; the lower bound admits only those shown to lose at most `budget`. Two more
+gates, each optional: the model's own valid rate (`min_unforced_rate`: answers the grammar did not
+write) and the timed speed-up over the reference (`min_speed_ratio`: a diffusion setting the AR model
+outruns buys nothing for its risk). The choice
 (with every figure it was made from) is written to `operating_point.json`, which `inference`,
 `benchmark` and serving read when their `tau` is `auto`. When no setting meets the budget the
 system has no operating point: the file says why, and asking for `auto` is a clear error.
@@ -28,6 +31,8 @@ __all__ = [
     "paired_recall",
     "refused_operating_point",
     "resolve_operating_point",
+    "speedup_key",
+    "timed_speed_ratio",
 ]
 
 
@@ -41,11 +46,26 @@ def paired_key(reference: str = "ar_rl") -> str:
     return f"recall@1_vs_{reference}"
 
 
+def speedup_key(reference: str = "ar_rl") -> str:
+    """Name of a candidate's timed speed-up over `reference` (`speedup_vs_ar_rl`, `ranked_speed`);
+    `_low` and `_high` are its interval over the timing rounds, `_by_batch` the same per batch size."""
+    return f"speedup_vs_{reference}"
+
+
+def timed_speed_ratio(candidate: Mapping[str, Any], reference: str, batch_size: int) -> float | None:
+    """The low end of `candidate`'s timed speed-up over `reference` at `batch_size` (None: not timed)."""
+    by_batch = candidate.get(f"{speedup_key(reference)}_by_batch") or {}
+    value = (by_batch.get(str(batch_size)) or {}).get("speedup_low")
+    return None if value is None or math.isnan(value) else float(value)
+
+
 def _rule(reference: str) -> str:
     """The admission rule in words, written beside every choice so the file reads on its own."""
     return (
-        f"admitted: {paired_key(reference)}.low >= -budget (95% paired bootstrap over users) and "
-        "unforced_rate >= min_unforced_rate; served: the fastest admitted (tokens_per_s)"
+        f"admitted: {paired_key(reference)}.low >= -budget (95% paired bootstrap over users), "
+        f"unforced_rate >= min_unforced_rate and {speedup_key(reference)} at speed_batch_size (its low "
+        "end) >= min_speed_ratio; "
+        "served: the fastest admitted (tokens_per_s)"
     )
 
 
@@ -104,6 +124,8 @@ def choose_operating_point(
     budget: float,
     reference: str = "ar_rl",
     min_unforced_rate: float | None = None,
+    min_speed_ratio: float | None = None,
+    speed_batch_size: int = 1,
 ) -> dict[str, Any]:
     """The fastest candidate whose paired R@1 interval against `reference` has `.low >= -budget`.
 
@@ -112,6 +134,11 @@ def choose_operating_point(
     inference node times every candidate side by side, `operating_point.timing`); ties in speed go
     to the higher R@1. `min_unforced_rate`, when set, also requires the model's own valid rate
     (`unforced_rate`): a low tau can keep R@1 as served while the grammar writes most answers.
+    `min_speed_ratio`, when set, also requires the timed speed-up over `reference` at
+    `speed_batch_size` (`timed_speed_ratio`: the low end of its interval over the timing rounds), the
+    registration gate's speed check (`tracking/gate.py`): a setting the reference outruns is not worth
+    serving however accurate, and one the gate would refuse is not chosen. A candidate not timed
+    beside the reference at that batch size does not qualify.
     `reference_recall` (the reference's R@1 on those requests) is recorded beside the choice.
     Raises `OperatingPointError` naming the best lower bound seen when nothing qualifies.
     """
@@ -122,17 +149,36 @@ def choose_operating_point(
     if missing:
         raise ValueError(f"candidates {missing} have no {low!r}: pair them with {reference} (paired_recall)")
     own = -1.0 if min_unforced_rate is None else float(min_unforced_rate)
+
+    def faster(c: Mapping[str, Any]) -> bool:
+        if min_speed_ratio is None:
+            return True
+        value = timed_speed_ratio(c, reference, speed_batch_size)
+        return value is not None and value >= min_speed_ratio - 1e-12
+
     # NaN bounds (no shared request) compare False: such a candidate never qualifies.
-    ok = [c for c in candidates if c[low] >= -budget - 1e-12 and c.get("unforced_rate", 1.0) >= own]
+    ok = [
+        c
+        for c in candidates
+        if c[low] >= -budget - 1e-12 and c.get("unforced_rate", 1.0) >= own and faster(c)
+    ]
     if not ok:
         best = max(candidates, key=lambda c: -math.inf if math.isnan(c[low]) else c[low])
+        speed = timed_speed_ratio(best, reference, speed_batch_size)
         raise OperatingPointError(
             f"no (tau, window) has a paired R@1 interval against {reference} on validation with a lower "
             f"bound >= {-budget:+.3f} (the budget)"
             + ("" if min_unforced_rate is None else f" and an own valid rate >= {min_unforced_rate:.2f}")
+            + (
+                ""
+                if min_speed_ratio is None
+                else f" and a timed speed-up over {reference} >= {min_speed_ratio:.2f}x at batch {speed_batch_size}"
+            )
             + f"; the best lower bound was {best[low]:+.3f} at tau {best['tau']}, window {best['window']} "
             f"(R@1 {best['recall@1']:.3f} vs {reference} {reference_recall:.3f}, own valid "
-            f"{best.get('unforced_rate', math.nan):.2f})"
+            f"{best.get('unforced_rate', math.nan):.2f}, speed-up at batch {speed_batch_size} "
+            + ("not timed" if speed is None else f"{speed:.2f}x or more")
+            + ")"
         )
     chosen = max(ok, key=lambda c: (c["tokens_per_s"], c["recall@1"]))
     return {
@@ -140,6 +186,8 @@ def choose_operating_point(
         "window": None if chosen["window"] is None else int(chosen["window"]),
         "budget": float(budget),
         "min_unforced_rate": min_unforced_rate,
+        "min_speed_ratio": min_speed_ratio,
+        "speed_batch_size": speed_batch_size,
         "reference": reference,
         "reference_recall@1": float(reference_recall),
         "split": "valid",

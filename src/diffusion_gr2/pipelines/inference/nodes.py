@@ -236,7 +236,13 @@ def _operating_point(
     ref_recall = _recall(ref_rows)
     try:
         operating_point = choose_operating_point(
-            speeds, ref_recall, budget, name, params.get("min_unforced_rate")
+            speeds,
+            ref_recall,
+            budget,
+            name,
+            params.get("min_unforced_rate"),
+            params.get("min_speed_ratio"),
+            int(params.get("speed_batch_size", 1)),
         )
     except OperatingPointError as err:
         logger.warning("%s has no operating point: %s", system, err)
