@@ -78,28 +78,31 @@ def test_an_own_valid_rate_floor_excludes_settings_the_grammar_carries() -> None
         choose_operating_point(table, 0.20, 0.01, min_unforced_rate=0.7)
 
 
-def _timed(row: dict, batch_1_low: float | None, batch_16_low: float = 0.8) -> dict:
-    """`row` with the timed speed-up fields `ranked_speed` writes (None at batch 1: not timed there)."""
-    by_batch = {"16": {"speedup": batch_16_low + 0.05, "speedup_low": batch_16_low, "speedup_high": 1.0}}
-    if batch_1_low is not None:
-        by_batch["1"] = {"speedup": batch_1_low + 0.05, "speedup_low": batch_1_low, "speedup_high": 2.0}
+def _timed(row: dict, batch_1: float | None, batch_16: float = 0.8) -> dict:
+    """`row` with the timed speed-up fields `ranked_speed` writes (medians; None: batch 1 not timed).
+    Every low end is under 1: the rule reads the median."""
+    by_batch = {"16": {"speedup": batch_16, "speedup_low": batch_16 - 0.2, "speedup_high": batch_16 + 0.1}}
+    if batch_1 is not None:
+        by_batch["1"] = {"speedup": batch_1, "speedup_low": 0.9, "speedup_high": batch_1 + 0.1}
     return row | {"speedup_vs_ar_rl_by_batch": by_batch}
 
 
 def test_a_speed_floor_refuses_settings_the_reference_outruns_at_its_batch_size() -> None:
-    # The fastest by the ranking statistic is outrun by ar_rl in a timing round at batch 1; the slower
-    # one is faster than ar_rl in every round there (its batch-16 figure is not the gate's).
+    # The fastest by the ranking statistic is slower than ar_rl at batch 1; the slower one is faster
+    # than ar_rl there (its batch-16 figure is not the gate's).
     table = [
-        _timed(_row(0.6, None, 0.0, 2000.0), batch_1_low=0.97),
-        _timed(_row(0.9, None, 0.0, 1500.0), batch_1_low=1.10, batch_16_low=0.70),
+        _timed(_row(0.6, None, 0.0, 2000.0), batch_1=0.97, batch_16=1.3),
+        _timed(_row(0.9, None, 0.0, 1500.0), batch_1=1.10, batch_16=0.70),
     ]
     assert choose_operating_point(table, 0.20, 0.01)["tau"] == 0.6  # no speed floor: the fastest
     point = choose_operating_point(table, 0.20, 0.01, min_speed_ratio=1.0, speed_batch_size=1)
     assert point["tau"] == 0.9 and point["min_speed_ratio"] == 1.0 and point["speed_batch_size"] == 1
-    with pytest.raises(OperatingPointError, match=r"speed-up over ar_rl >= 1.00x at batch 16"):
-        choose_operating_point(table, 0.20, 0.01, min_speed_ratio=1.0, speed_batch_size=16)
+    at_16 = choose_operating_point(table, 0.20, 0.01, min_speed_ratio=1.0, speed_batch_size=16)
+    assert at_16["tau"] == 0.6  # at batch 16 it is the faster one
+    with pytest.raises(OperatingPointError, match=r"speed-up over ar_rl >= 1.50x at batch 16"):
+        choose_operating_point(table, 0.20, 0.01, min_speed_ratio=1.5, speed_batch_size=16)
     # Not timed beside the reference at the gate's batch size: it cannot show it is faster.
-    untimed = [_timed(_row(0.9, None, 0.0, 1500.0), batch_1_low=None), _row(0.6, None, 0.0, 2000.0)]
+    untimed = [_timed(_row(0.9, None, 0.0, 1500.0), batch_1=None), _row(0.6, None, 0.0, 2000.0)]
     with pytest.raises(OperatingPointError, match="not timed"):
         choose_operating_point(untimed, 0.20, 0.01, min_speed_ratio=1.0)
     assert choose_operating_point(untimed, 0.20, 0.01)["tau"] == 0.6
