@@ -61,7 +61,7 @@ from diffusion_gr2.core.bench.harness import (
 )
 from diffusion_gr2.core.decode.decoder import decode, resolved_backend
 from diffusion_gr2.core.decode.grammar import TokenConstraint
-from diffusion_gr2.core.rank.operating_point import OperatingPointError, resolve_operating_point
+from diffusion_gr2.core.rank.operating_point import OperatingPointError, resolve_operating_point, speedup_key
 from diffusion_gr2.core.rank.rerank import (
     AR_SYSTEMS,
     RerankConfig,
@@ -520,10 +520,10 @@ def ranked_speed(
     if reference is not None:
         paired = {b: paired_ratios(by_batch[b], reference[b]) for b in sizes}
         ratios = ratio_interval(geometric_mean_ratios([paired[b] for b in sizes]))
-        fields[f"speedup_vs_{name}_by_batch"] = {
+        fields[f"{speedup_key(name)}_by_batch"] = {
             str(b): interval_fields("speedup", ratio_interval(paired[b])) for b in sizes
         }
-    return fields | interval_fields(f"speedup_vs_{name}", ratios)
+    return fields | interval_fields(speedup_key(name), ratios)
 
 
 def _samples(setting: TimedSetting, rounds: Rounds) -> list[dict[str, Any]]:
