@@ -159,6 +159,31 @@ def test_the_operating_point_ranks_candidates_by_their_timed_speed(world) -> Non
     assert floor_zero["tau"] is not None and floor_zero["speed_batch_size"] == 1
 
 
+def test_only_candidates_that_meet_the_accuracy_gates_are_timed(world, caplog) -> None:
+    """A candidate refused on the R@1 budget or the own-valid floor can never be served: not timed."""
+    tokenizer, requests = world
+    params = _params(None)
+    timing = {"n_prompts": 3, "batch_sizes": [1], "rounds": 1, "min_calls": 1, "warmup": 0}
+    params["operating_point"] |= {"windows": [None, 2], "timing": timing}
+    ar_model = tiny_model_for(tokenizer)
+    ar = make_rerank_node("ar_rl")(ar_model, requests, tokenizer, params)
+    diffusion = tiny_model_for(tokenizer, block_size=4)
+    node = make_rerank_node("rl")
+    # An own-valid floor no untrained model reaches: both refused, neither timed, the reason says so.
+    params["operating_point"]["min_unforced_rate"] = 1.01
+    with caplog.at_level("INFO"):
+        point = node(diffusion, requests, tokenizer, params, ar, ar_model)["operating_point"]
+    assert point["tau"] is None and "own valid rate >= 1.01" in point["refused"]
+    assert all("tokens_per_s_by_batch" not in c and "timed_prompts" not in c for c in point["candidates"])
+    assert "not timed (R@1 budget or own-valid floor missed" in caplog.text
+    # The budget admits every setting again: all are timed, in the same rounds.
+    params["operating_point"]["min_unforced_rate"] = None
+    point = node(diffusion, requests, tokenizer, params, ar, ar_model)["operating_point"]
+    assert all(
+        c["timed_prompts"] == 3 and set(c["tokens_per_s_by_batch"]) == {"1"} for c in point["candidates"]
+    )
+
+
 def test_no_validation_prompts_leave_the_passes_speeds_untimed(world, caplog) -> None:
     tokenizer, requests = world
     speeds = [{"tau": 0.9, "window": None, "tokens_per_s": float("nan")}]

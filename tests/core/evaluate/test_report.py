@@ -154,6 +154,12 @@ def test_operating_point_candidates_are_listed_with_their_timed_speeds() -> None
         "| 1.2500 [1.100, 1.400] | yes |" in text
     )
     assert "geometric mean" in text and "(median of 3 interleaved rounds)" in text
+    # A candidate the accuracy gates refused is not timed: its pass's tokens/s is not shown as ranked.
+    untimed = {k: v for k, v in candidate(0.4, None, 0.0, 0.0).items() if k != "tokens_per_s_by_batch"}
+    point["candidates"] = [*candidates, untimed | {"tokens_per_s": 123.0}]
+    text = R.render_markdown(_inputs(operating_point={"rl": point}), {})
+    assert "| rl | 0.4 | — | 0.1500 | — | 0.6000 | 3.000 | — | — | — | — |  |" in text
+    assert "is not timed (—)" in text
 
 
 def test_the_forward_cost_table_is_relative_to_an_ar_step_with_intervals() -> None:

@@ -14,6 +14,7 @@ from diffusion_gr2.core.rank.operating_point import (
     OperatingPointError,
     choose_operating_point,
     floor_screen,
+    meets_accuracy_gates,
     paired_key,
     paired_recall,
     refused_operating_point,
@@ -85,6 +86,15 @@ def _timed(row: dict, batch_1: float | None, batch_16: float = 0.8) -> dict:
     if batch_1 is not None:
         by_batch["1"] = {"speedup": batch_1, "speedup_low": 0.9, "speedup_high": batch_1 + 0.1}
     return row | {"speedup_vs_ar_rl_by_batch": by_batch}
+
+
+def test_the_accuracy_gates_are_the_budget_and_the_own_valid_floor_and_need_no_timing() -> None:
+    assert [meets_accuracy_gates(r, 0.01) for r in TABLE] == [True, True, True, False, False]
+    assert meets_accuracy_gates(_row(0.9, None, 0.0, 1.0, own=0.49), 0.01)  # no floor asked
+    assert not meets_accuracy_gates(_row(0.9, None, 0.0, 1.0, own=0.49), 0.01, min_unforced_rate=0.5)
+    assert meets_accuracy_gates(_row(0.9, None, 0.0, 1.0, own=0.5), 0.01, min_unforced_rate=0.5)
+    assert not meets_accuracy_gates(_row(0.9, None, math.nan, 1.0), 1.0)  # nothing shared: never
+    assert not meets_accuracy_gates({"tau": 0.9, "window": None}, 1.0)  # unpaired: never
 
 
 def test_a_speed_floor_refuses_settings_the_reference_outruns_at_its_batch_size() -> None:

@@ -49,6 +49,13 @@ def test_invalid_is_below_every_valid_ranking() -> None:
     assert worst_valid == pytest.approx(-0.8) and worst_valid > -1.0
 
 
+def test_the_invalid_reward_is_a_parameter_that_must_stay_below_every_valid_ranking() -> None:
+    assert ranking_reward(PRERANK, None, "c", False, invalid_reward=-2.0) == -2.0
+    assert ranking_reward(PRERANK, PRERANK, "c", True, invalid_reward=-2.0) == 0.0  # valid ones unchanged
+    with pytest.raises(ValueError, match="worst valid reward"):
+        ranking_reward(PRERANK, None, "c", False, invalid_reward=-0.5)
+
+
 def test_target_must_be_a_candidate() -> None:
     with pytest.raises(ValueError, match="not among"):
         ranking_reward(PRERANK, PRERANK, "z", True)

@@ -399,7 +399,7 @@ def _candidates_table(inputs: ReportInputs) -> str:
                     _num(c.get("unforced_rate")),
                     _num(c.get("tokens_per_forward"), 3),
                     *(_num(by_batch.get(str(b)), 1) for b in batches),
-                    _num(c.get("tokens_per_s"), 1),
+                    _num(c.get("tokens_per_s") if by_batch or not batches else None, 1),
                     _ratio(c, f"speedup_vs_{inputs.reference}"),
                     "yes" if picked else "",
                 ]  # fmt: skip
@@ -415,7 +415,8 @@ def _candidates_table(inputs: ReportInputs) -> str:
         f" Speeds timed side by side on the first validation prompts at batch {', '.join(map(str, batches))}, "
         f"with `{inputs.reference}` in the same interleaved rounds; *speed ranked* is per round the geometric "
         "mean over the batch sizes, the speed-up per round the geometric mean of the ratios, paired by "
-        f"round ({_statistics(candidates)})."
+        f"round ({_statistics(candidates)}). A candidate that misses the R@1 budget or the own-valid "
+        "floor cannot be served and is not timed (—)."
         if batches
         else " Speeds are the validation passes' own."
     )

@@ -27,6 +27,7 @@ __all__ = [
     "OperatingPointError",
     "choose_operating_point",
     "floor_screen",
+    "meets_accuracy_gates",
     "paired_key",
     "paired_recall",
     "refused_operating_point",
@@ -119,6 +120,22 @@ def floor_screen(unforced_rate: float, n: int, floor: float, z: float) -> dict[s
     return {"n": int(n), "own_valid_upper": float(upper), "passed": bool(upper >= floor)}
 
 
+def meets_accuracy_gates(
+    candidate: Mapping[str, Any],
+    budget: float,
+    reference: str = "ar_rl",
+    min_unforced_rate: float | None = None,
+) -> bool:
+    """Whether `candidate` meets the gates that need no timing: the R@1 budget (its paired interval's
+    lower bound >= -budget) and the own-valid floor. Only such a candidate can be served, so the
+    inference node times no other (at rl's default run, where both settings miss the floor, timing
+    them cost 17 s a run and chose nothing)."""
+    low = candidate.get(f"{paired_key(reference)}.low", math.nan)
+    own = -1.0 if min_unforced_rate is None else float(min_unforced_rate)
+    # NaN bounds (no shared request) compare False: such a candidate never qualifies.
+    return bool(low >= -budget - 1e-12) and candidate.get("unforced_rate", 1.0) >= own
+
+
 def choose_operating_point(
     candidates: Sequence[Mapping[str, Any]],
     reference_recall: float,
@@ -151,7 +168,6 @@ def choose_operating_point(
     missing = [(c.get("tau"), c.get("window")) for c in candidates if low not in c]
     if missing:
         raise ValueError(f"candidates {missing} have no {low!r}: pair them with {reference} (paired_recall)")
-    own = -1.0 if min_unforced_rate is None else float(min_unforced_rate)
 
     def faster(c: Mapping[str, Any]) -> bool:
         if min_speed_ratio is None:
@@ -159,11 +175,8 @@ def choose_operating_point(
         value = timed_speed_ratio(c, reference, speed_batch_size)
         return value is not None and value >= min_speed_ratio - 1e-12
 
-    # NaN bounds (no shared request) compare False: such a candidate never qualifies.
     ok = [
-        c
-        for c in candidates
-        if c[low] >= -budget - 1e-12 and c.get("unforced_rate", 1.0) >= own and faster(c)
+        c for c in candidates if meets_accuracy_gates(c, budget, reference, min_unforced_rate) and faster(c)
     ]
     if not ok:
         best = max(candidates, key=lambda c: -math.inf if math.isnan(c[low]) else c[low])

@@ -27,19 +27,24 @@ def ranking_reward(
     target: Hashable,
     valid: bool,
     alpha: float = 0.2,
+    invalid_reward: float = INVALID_REWARD,
 ) -> float:
     """Reward of one rollout.
 
     ``prerank``: the N candidates in retriever order (must contain ``target``); ``ranking``: the
     model's permutation of them (None when unparseable); ``valid``: the parser's verdict. A ranking
     flagged valid that is not a permutation of the candidates is treated as invalid, so a parser bug
-    cannot leak reward.
+    cannot leak reward. ``invalid_reward`` must stay below every valid ranking's reward.
     """
     prerank, n = list(prerank), len(prerank)
     if target not in prerank:
         raise ValueError(f"target {target!r} is not among the candidates")
+    if invalid_reward > -(n - 1) / n:
+        raise ValueError(
+            f"invalid_reward {invalid_reward} must be <= {-(n - 1) / n:.3f}, the worst valid reward"
+        )
     if not valid or ranking is None or not _is_permutation(list(ranking), prerank):
-        return INVALID_REWARD
+        return invalid_reward
     old = prerank.index(target) + 1
     new = list(ranking).index(target) + 1
     reward = (old - new) / n

@@ -22,7 +22,7 @@ from diffusion_gr2.core.decode.grammar import AnswerGrammar, allowed_masks, answ
 from diffusion_gr2.core.decode.replay import replay_batch_logits
 from diffusion_gr2.core.model.diffusion import response_logits
 from diffusion_gr2.core.rank.rerank import RerankConfig, decode_config_for
-from diffusion_gr2.core.rank.rewards import ranking_reward
+from diffusion_gr2.core.rank.rewards import INVALID_REWARD, ranking_reward
 from diffusion_gr2.core.text.parser import parse_answer
 from diffusion_gr2.core.text.tokenizer import IM_END, decode_response
 from diffusion_gr2.core.train.grpo import (
@@ -183,6 +183,7 @@ class RolloutConfig:
     commit_rule: str = DecodeConfig.commit_rule
     max_new_tokens: int = 192
     alpha: float = 0.2  # conditional format reward (GR2)
+    invalid_reward: float = INVALID_REWARD  # an unparseable answer's reward, below every valid one
     # Sample under each request's answer grammar, as served: every rollout is a valid ranking, so the
     # reward is about ranking only, and the policy scored is the constrained one (renormalised).
     constrained: bool = False
@@ -225,14 +226,19 @@ def rollout_decode_config(
 
 
 def score_rollout(
-    tokenizer: PreTrainedTokenizerBase, output: DecodeOutput, request: pd.Series, alpha: float
+    tokenizer: PreTrainedTokenizerBase,
+    output: DecodeOutput,
+    request: pd.Series,
+    alpha: float,
+    invalid_reward: float = INVALID_REWARD,
 ) -> tuple[float, bool]:
     """Reward of one rollout (DESIGN §7): rank promotion + conditional format bonus, −1 if invalid."""
     sids = list(request["candidate_sids"])
     parsed = parse_answer(decode_response(tokenizer, output.tokens), sids)
     candidates = [int(i) for i in request["candidates"]]
     ranking = [candidates[sids.index(s)] for s in parsed.ranking] if parsed.valid and parsed.ranking else None
-    return ranking_reward(candidates, ranking, int(request["target"]), parsed.valid, alpha), parsed.valid
+    reward = ranking_reward(candidates, ranking, int(request["target"]), parsed.valid, alpha, invalid_reward)
+    return reward, parsed.valid
 
 
 def sample_rollouts(
@@ -253,7 +259,10 @@ def sample_rollouts(
     model.eval()
     outputs = decode(model, prompts, rollout_decode_config(model, tokenizer, config, seed), grammars)
     model.train(was_training)
-    scored = [score_rollout(tokenizer, o, requests.iloc[i // g], config.alpha) for i, o in enumerate(outputs)]
+    scored = [
+        score_rollout(tokenizer, o, requests.iloc[i // g], config.alpha, config.invalid_reward)
+        for i, o in enumerate(outputs)
+    ]
     rewards = torch.tensor([s[0] for s in scored], dtype=torch.float32).view(len(requests), g)
     valid = torch.tensor([s[1] for s in scored]).view(len(requests), g)
     return Rollouts(

@@ -29,6 +29,7 @@ from diffusion_gr2.core.evaluate.rankings import rankings_summary
 from diffusion_gr2.core.rank.operating_point import (
     OperatingPointError,
     choose_operating_point,
+    meets_accuracy_gates,
     paired_key,
     paired_recall,
     refused_operating_point,
@@ -146,11 +147,16 @@ def make_rerank_node(system: str) -> Callable[..., pd.DataFrame | dict[str, Any]
             frames.append(rows)
             if chooses:
                 timing = params["operating_point"].get("timing")
-                if timing:
-                    speeds = _timed_speeds(
-                        speeds, model, system, valid, tokenizer, config, timing, reference_model
+                timed = (
+                    None
+                    if not timing
+                    else lambda candidates: _timed_speeds(
+                        candidates, model, system, valid, tokenizer, config, timing, reference_model
                     )
-                operating_point = _operating_point(system, speeds, rows, reference, params["operating_point"])
+                )
+                operating_point = _operating_point(
+                    system, speeds, rows, reference, params["operating_point"], timed
+                )
         if "test" in params["splits"]:
             test = _split_requests(requests, params, "test")
             for settings, cap in _test_passes(system, params, operating_point):
@@ -214,9 +220,14 @@ def _operating_point(
     rows: pd.DataFrame,
     reference: pd.DataFrame | None,
     params: dict[str, Any],
+    timed: Callable[[list[dict[str, Any]]], list[dict[str, Any]]] | None = None,
 ) -> dict[str, Any]:
     """Choose `system`'s (tau, window) on validation from each candidate's paired R@1 interval
-    against the reference (`rows`: the candidates' validation rows), or say why not."""
+    against the reference (`rows`: the candidates' validation rows), or say why not.
+
+    `timed` (`_timed_speeds`) times the candidates that meet the R@1 budget and the own-valid floor
+    (`meets_accuracy_gates`), the only ones that can be served; the others keep their passes' figures.
+    """
     budget, name = float(params["budget"]), params["reference"]
     ref_rows = None if reference is None else reference[reference["split"] == "valid"]
     if ref_rows is None or ref_rows.empty:
@@ -233,6 +244,8 @@ def _operating_point(
             system, s["tau"], s["window"], s[f"{key}.n"], name, s[key], s[f"{key}.low"], s[f"{key}.high"],
             s.get("unforced_rate", float("nan")),
         )  # fmt: skip
+    if timed is not None:
+        speeds = _time_admitted(system, speeds, timed, budget, name, params.get("min_unforced_rate"))
     ref_recall = _recall(ref_rows)
     try:
         operating_point = choose_operating_point(
@@ -258,6 +271,34 @@ def _operating_point(
         operating_point["chosen"]["tokens_per_s"],
     )
     return operating_point
+
+
+def _time_admitted(
+    system: str,
+    speeds: list[dict[str, Any]],
+    timed: Callable[[list[dict[str, Any]]], list[dict[str, Any]]],
+    budget: float,
+    reference: str,
+    min_unforced_rate: float | None,
+) -> list[dict[str, Any]]:
+    """`speeds` with the candidates that meet the accuracy gates timed (in one `timed` call: the same
+    interleaved rounds), the rest as they were."""
+    admitted = [
+        i for i, s in enumerate(speeds) if meets_accuracy_gates(s, budget, reference, min_unforced_rate)
+    ]
+    untimed = [(speeds[i]["tau"], speeds[i]["window"]) for i in range(len(speeds)) if i not in admitted]
+    if untimed:
+        logger.info(
+            "%s: not timed (R@1 budget or own-valid floor missed, so never served): %s",
+            system,
+            ", ".join(f"tau {t}, window {w}" for t, w in untimed),
+        )
+    if not admitted:
+        return speeds
+    out = list(speeds)
+    for i, candidate in zip(admitted, timed([speeds[i] for i in admitted]), strict=True):
+        out[i] = candidate
+    return out
 
 
 def combine_rankings(*results: pd.DataFrame | dict[str, Any]) -> dict[str, Any]:
