@@ -203,6 +203,26 @@ def test_every_step_commits_and_parallel_commits_are_confident(
                     assert bool((probs[[i for i in group if i not in free]] > 0.5).all())
 
 
+def test_sid_codes_commit_in_parallel_only_above_their_own_threshold(
+    model: PreTrainedModel, prompts: list[list[int]]
+) -> None:
+    cfg = DecodeConfig(block_size=8, threshold=0.3, max_new_tokens=24, mask_token_id=MASK)
+    plain = decode(model, prompts, cfg)
+    codes = frozenset(t for o in plain for t in o.tokens[1::2])  # stand-ins for SID codes
+    # a SID tau equal to tau changes nothing: those choices were not above it anyway
+    same = decode(model, prompts, dataclasses.replace(cfg, sid_threshold=0.3, sid_token_ids=codes))
+    assert [o.tokens for o in same] == [o.tokens for o in plain]
+    strict = decode(model, prompts, dataclasses.replace(cfg, sid_threshold=1.0, sid_token_ids=codes))
+    assert sum(o.nfe for o in strict) > sum(o.nfe for o in plain)  # fewer parallel commits
+    for out in strict:
+        for start in range(0, len(out.tokens), 8):
+            steps = out.commit_steps[start : start + 8]
+            for s in set(steps):
+                group = [start + i for i, t in enumerate(steps) if t == s]
+                # a code never rides along: it is only committed where a commit is due (the run's first)
+                assert not any(out.tokens[i] in codes for i in group[1:])
+
+
 @pytest.mark.parametrize(("fused", "nfe"), [(True, 2 + 2), (False, 1 + 2 + 1 + 2)])
 def test_step_cap_fills_the_block(
     model: PreTrainedModel, prompts: list[list[int]], fused: bool, nfe: int

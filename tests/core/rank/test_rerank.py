@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -162,6 +163,13 @@ def test_decode_config_for_reads_model_and_tokenizer(world) -> None:
     assert decode_config_for(diffusion, tokenizer, 0.6, paper_rule).commit_rule == "confident"
     with pytest.raises(ValueError, match="block_size"):
         decode_config_for(tiny_model_for(tokenizer), tokenizer, 0.9, RerankConfig())
+    # The SID tau reaches diffusion decoding with the tokenizer's SID-code ids; AR decoding ignores it.
+    strict = RerankConfig(sid_threshold=0.99)
+    sid_cfg = decode_config_for(diffusion, tokenizer, 0.6, strict)
+    codes = {tokenizer.convert_ids_to_tokens(i) for i in sid_cfg.sid_token_ids}
+    assert sid_cfg.sid_threshold == 0.99 and codes and all(re.fullmatch(r"<[a-z]_\d+>", t) for t in codes)
+    assert (cfg.sid_threshold, cfg.sid_token_ids) == (None, frozenset())  # default: tau everywhere
+    assert decode_config_for(diffusion, tokenizer, None, strict).sid_threshold is None
 
 
 def test_drafts_reach_ar_systems_only_and_change_no_ranking(world) -> None:

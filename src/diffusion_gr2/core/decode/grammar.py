@@ -49,6 +49,7 @@ __all__ = [
     "allowed_masks",
     "answer_grammars",
     "prompt_sids",
+    "sid_token_ids",
 ]
 
 OPEN = '{"explanation":"'
@@ -405,6 +406,11 @@ def accepts(constraint: TokenConstraint, tokens: Sequence[int], max_new_tokens: 
             return False
         state.advance(int(token))
     return True
+
+
+def sid_token_ids(tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
+    """The ids of the tokenizer's SID-code tokens (`<a_12>`, one level of a SID each)."""
+    return frozenset(i for t, i in tokenizer.get_vocab().items() if SID_TOKEN.fullmatch(t))
 
 
 def prompt_sids(tokens: GrammarTokens, prompt: Sequence[int], length: int) -> set[tuple[int, ...]]:

@@ -31,7 +31,7 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from diffusion_gr2.core.decode.decoder import DecodeConfig, DecodeOutput, decode
-from diffusion_gr2.core.decode.grammar import AnswerGrammar, accepts, answer_grammars
+from diffusion_gr2.core.decode.grammar import AnswerGrammar, accepts, answer_grammars, sid_token_ids
 from diffusion_gr2.core.evaluate.metrics import (
     user_values,
 )
@@ -113,6 +113,10 @@ class RerankConfig:
     # its first tokens pin is then forced (jump-forward writes it). Stricter, so own validity can
     # only fall: chosen on validation (grammar.py; docs/experiments.md#cited-sids).
     cite_prompt_sids: bool = False
+    # Diffusion systems: the tau a SID code must clear to be committed beside others in a forward
+    # (None = tau everywhere). Free answers break at SID codes, not in the explanation
+    # (DecodeConfig.sid_threshold); chosen on validation.
+    sid_threshold: float | None = None
 
 
 def resolve_device(name: str) -> torch.device:
@@ -178,6 +182,10 @@ def decode_config_for(
         jump_forward=config.jump_forward,
         draft=config.draft if block_size == 1 else "prompt" if config.copy_drafts else None,
         draft_tokens=config.draft_tokens,
+        sid_threshold=config.sid_threshold if block_size > 1 else None,
+        sid_token_ids=sid_token_ids(tokenizer)
+        if block_size > 1 and config.sid_threshold is not None
+        else frozenset(),
     )
 
 
