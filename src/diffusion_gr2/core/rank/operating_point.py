@@ -128,8 +128,7 @@ def meets_accuracy_gates(
 ) -> bool:
     """Whether `candidate` meets the gates that need no timing: the R@1 budget (its paired interval's
     lower bound >= -budget) and the own-valid floor. Only such a candidate can be served, so the
-    inference node times no other (at rl's default run, where both settings miss the floor, timing
-    them cost 17 s a run and chose nothing)."""
+    inference node times no other (timing a refused candidate cost `rerank_rl` 17 s and chose nothing)."""
     low = candidate.get(f"{paired_key(reference)}.low", math.nan)
     own = -1.0 if min_unforced_rate is None else float(min_unforced_rate)
     # NaN bounds (no shared request) compare False: such a candidate never qualifies.

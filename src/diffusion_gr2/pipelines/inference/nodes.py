@@ -283,22 +283,21 @@ def _time_admitted(
 ) -> list[dict[str, Any]]:
     """`speeds` with the candidates that meet the accuracy gates timed (in one `timed` call: the same
     interleaved rounds), the rest as they were."""
-    admitted = [
-        i for i, s in enumerate(speeds) if meets_accuracy_gates(s, budget, reference, min_unforced_rate)
-    ]
-    untimed = [(speeds[i]["tau"], speeds[i]["window"]) for i in range(len(speeds)) if i not in admitted]
-    if untimed:
+    passed = [meets_accuracy_gates(s, budget, reference, min_unforced_rate) for s in speeds]
+    if not all(passed):
         logger.info(
             "%s: not timed (R@1 budget or own-valid floor missed, so never served): %s",
             system,
-            ", ".join(f"tau {t}, window {w}" for t, w in untimed),
+            ", ".join(
+                f"tau {s['tau']}, window {s['window']}"
+                for s, ok in zip(speeds, passed, strict=True)
+                if not ok
+            ),
         )
-    if not admitted:
+    if not any(passed):
         return speeds
-    out = list(speeds)
-    for i, candidate in zip(admitted, timed([speeds[i] for i in admitted]), strict=True):
-        out[i] = candidate
-    return out
+    timed_ones = iter(timed([s for s, ok in zip(speeds, passed, strict=True) if ok]))
+    return [next(timed_ones) if ok else s for s, ok in zip(speeds, passed, strict=True)]
 
 
 def combine_rankings(*results: pd.DataFrame | dict[str, Any]) -> dict[str, Any]:
