@@ -2,7 +2,8 @@
 
     .venv/bin/python benchmarks/decode_profile.py [--systems ar_rl rl] [--taus 0.9 0.6] [--windows 0 4]
         [--batch-sizes 1 16] [--backends lean eager] [--n 16] [--split test] [--threads 2] [--no-fused]
-        [--free] [--no-jump] [--compile] [--rounds 3] [--cost-rounds 15] [--repeats 10] [--json OUT.json]
+        [--free] [--no-jump] [--sid-tau 0.99] [--compile] [--rounds 3] [--cost-rounds 15] [--repeats 10]
+        [--json OUT.json]
     .venv/bin/python benchmarks/decode_profile.py --random [--vocab 2256] [--block-size 8] [--prompt-len 262]
 
 Decodes the first `--n` requests of `--split` (test) with the trained models in
@@ -263,7 +264,9 @@ def _decode_profile(args: argparse.Namespace, tokenizer: Any, requests: pd.DataF
                     raise SystemExit(
                         f"--n {len(prompts)} is not a multiple of batch size {batch}: full batches only"
                     )
-                base = RerankConfig(max_new_tokens=args.max_new_tokens, batch_size=batch)
+                base = RerankConfig(
+                    max_new_tokens=args.max_new_tokens, batch_size=batch, sid_threshold=args.sid_tau or None
+                )
                 cfg = dataclasses.replace(
                     decode_config_for(model, tokenizer, tau, base),
                     window=window or None,
@@ -348,6 +351,12 @@ def _arguments() -> argparse.Namespace:
     )
     parser.add_argument("--no-jump", action="store_true", help="no jump-forward over forced tokens")
     parser.add_argument(
+        "--sid-tau",
+        type=float,
+        default=0.0,
+        help="the tau a SID code must clear (inference.decoding.sid_threshold, 0.99 as served; 0 = tau)",
+    )
+    parser.add_argument(
         "--random", action="store_true", help="forward costs of a random default-size model only"
     )
     parser.add_argument(
@@ -368,6 +377,7 @@ def main() -> None:
     report: dict[str, Any] = {
         "statistic": statistic(args.rounds),
         "step_statistic": statistic(args.cost_rounds),
+        "sid_threshold": args.sid_tau or None,
         "settings": [],
         "step_costs": {},
     }

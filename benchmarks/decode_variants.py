@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/decode_variants.py [--systems ar_rl rl] [--taus 0.9 0.6 0.4]
         [--windows 0 4 8] [--modes fused separate] [--jump on off] [--copy off on] [--draft-tokens 3]
-        [--cite off on] [--sid-taus 0 0.95] [--reference ar_rl] [--split valid] [--max-users N] [--threads 2] [--json OUT.json]
+        [--cite off on] [--sid-taus 0 0.95] [--sid-scopes answer list] [--reference ar_rl] [--split valid] [--max-users N] [--threads 2] [--json OUT.json]
 
 Every variant decodes the same requests of `--split` (validation by default: these figures choose
 settings, test only reports them) under the answer grammar, as served, with the trained models in
@@ -15,7 +15,8 @@ by the grammar), tokens per forward and output tokens/s of the pass.
   tokens, committed where the model agrees; decoder.py). Diffusion systems only.
 * `--cite on`: the explanation cites only the prompt's SIDs, the rest of a pinned citation forced
   (`RerankConfig.cite_prompt_sids`); own validity is then read under that stricter grammar.
-* `--sid-taus`: the tau a SID code must clear (`RerankConfig.sid_threshold`; 0 = the variant's tau).
+* `--sid-taus`: the tau a SID code must clear (`RerankConfig.sid_threshold`; 0 = the variant's tau);
+  `--sid-scopes`: where (`RerankConfig.sid_scope`: every SID code, or the ranking list's only).
 * AR systems decode once per `--cite` (no tau, window or copy drafts).
 Each variant after a system's first at the same tau gets its R@1 difference from that first one on
 the same requests, paired (whole users resampled, 1000 times), and with `--reference ar_rl` its
@@ -38,6 +39,7 @@ from transformers import AutoTokenizer
 from diffusion_gr2.core.evaluate.metrics import paired_bootstrap, system_metrics, user_values
 from diffusion_gr2.core.model.factory import load_model
 from diffusion_gr2.core.rank.rerank import (
+    SID_SCOPES,
     RerankConfig,
     decode_config_for,
     request_grammars,
@@ -65,6 +67,13 @@ def main() -> None:
     parser.add_argument(
         "--sid-taus", nargs="+", type=float, default=[0.0], help="tau for SID codes (0 = the tau itself)"
     )
+    parser.add_argument(
+        "--sid-scopes",
+        nargs="+",
+        default=["answer"],
+        choices=list(SID_SCOPES),
+        help="where the SID tau holds",
+    )
     parser.add_argument("--split", default="valid")
     parser.add_argument("--reference", default=None, help="an AR system every variant is paired with (ar_rl)")
     parser.add_argument("--max-users", type=int, default=None)
@@ -90,7 +99,7 @@ def main() -> None:
         print(f"{args.reference}: R@1 {ref_hits.mean():.3f}")
     print(f"{len(requests)} {args.split} requests, {torch.get_num_threads()} threads")
     print(
-        f"{'system':6s} {'tau':>4s} {'win':>3s} {'mode':8s} {'jump':>4s} {'copy':>4s} {'cite':>4s} {'sid':>4s} "
+        f"{'system':6s} {'tau':>4s} {'win':>3s} {'mode':8s} {'jump':>4s} {'copy':>4s} {'cite':>4s} {'sid':>9s} "
         f"{'R@1':>6s} "
         f"{'vs first [95%]':>22s} {'own valid':>9s} {'tok/fwd':>7s} {'tok/s':>6s}"
     )
@@ -101,10 +110,12 @@ def main() -> None:
             for window in args.windows if diffusion else [0]:
                 copies, modes = (args.copy, args.modes) if diffusion else (["off"], ["fused"])
                 sid_taus = args.sid_taus if diffusion else [0.0]
-                for mode, jump, copy, cite, sid_tau in itertools.product(
-                    modes, args.jump, copies, args.cite, sid_taus
+                # a scope matters only where there is a SID tau
+                sids = [(t, scope) for t in sid_taus for scope in (args.sid_scopes if t else ["answer"])]
+                for mode, jump, copy, cite, (sid_tau, scope) in itertools.product(
+                    modes, args.jump, copies, args.cite, sids
                 ):
-                    sid_config = dataclasses.replace(config, sid_threshold=sid_tau or None)
+                    sid_config = dataclasses.replace(config, sid_threshold=sid_tau or None, sid_scope=scope)
                     cfg = decode_config_for(model, tokenizer, tau, sid_config, window=window or None)
                     cfg = dataclasses.replace(
                         cfg,
@@ -133,6 +144,7 @@ def main() -> None:
                         "copy_drafts": copy == "on",
                         "cite_prompt_sids": cite == "on",
                         "sid_threshold": sid_tau or None,
+                        "sid_scope": scope,
                         "n": len(frame),
                         "recall@1": metrics["recall@1"],
                         "recall@1_ci": metrics["ci"]["recall@1"],
@@ -150,7 +162,7 @@ def main() -> None:
                         vs += f"  vs {args.reference} {vs_ref.mean_diff:+.3f} [{vs_ref.low:+.3f}, {vs_ref.high:+.3f}]"
                     print(
                         f"{system:6s} {'AR' if tau is None else f'{tau:g}':>4s} {window or '-':>3} {mode:8s} "
-                        f"{jump:>4s} {copy:>4s} {cite:>4s} {sid_tau or '-':>4} "
+                        f"{jump:>4s} {copy:>4s} {cite:>4s} {f'{sid_tau:g} {scope}' if sid_tau else '-':>9} "
                         f"{row['recall@1']:6.3f} {vs:>22s} {row['unforced_rate']:9.1%} "
                         f"{row['tokens_per_forward']:7.2f} {row['tokens_per_s']:6.0f}"
                     )

@@ -203,6 +203,18 @@ def test_every_step_commits_and_parallel_commits_are_confident(
                     assert bool((probs[[i for i in group if i not in free]] > 0.5).all())
 
 
+def _codes_ride_along(out: DecodeOutput, codes: frozenset[int], k: int, start: int = 0) -> bool:
+    """Whether a code at index >= `start` of `out` was committed beside others, not first in its
+    forward's run (a parallel commit)."""
+    for lo in range(0, len(out.tokens), k):
+        steps = out.commit_steps[lo : lo + k]
+        for s in set(steps):
+            group = [lo + i for i, t in enumerate(steps) if t == s]
+            if any(i >= start and out.tokens[i] in codes for i in group[1:]):
+                return True
+    return False
+
+
 def test_sid_codes_commit_in_parallel_only_above_their_own_threshold(
     model: PreTrainedModel, prompts: list[list[int]]
 ) -> None:
@@ -214,13 +226,26 @@ def test_sid_codes_commit_in_parallel_only_above_their_own_threshold(
     assert [o.tokens for o in same] == [o.tokens for o in plain]
     strict = decode(model, prompts, dataclasses.replace(cfg, sid_threshold=1.0, sid_token_ids=codes))
     assert sum(o.nfe for o in strict) > sum(o.nfe for o in plain)  # fewer parallel commits
-    for out in strict:
-        for start in range(0, len(out.tokens), 8):
-            steps = out.commit_steps[start : start + 8]
-            for s in set(steps):
-                group = [start + i for i, t in enumerate(steps) if t == s]
-                # a code never rides along: it is only committed where a commit is due (the run's first)
-                assert not any(out.tokens[i] in codes for i in group[1:])
+    assert any(_codes_ride_along(o, codes, 8) for o in plain)  # the check below can fail
+    # a code never rides along: it is only committed where a commit is due (the run's first)
+    assert not any(_codes_ride_along(o, codes, 8) for o in strict)
+
+
+def test_sid_threshold_holds_only_after_its_marker(model: PreTrainedModel, prompts: list[list[int]]) -> None:
+    """`sid_after` (the ranking list's key): up to the marker the answer is the plain decode's, token
+    for token and forward for forward; after it no code rides along in a parallel commit."""
+    cfg = DecodeConfig(block_size=8, threshold=0.3, max_new_tokens=24, mask_token_id=MASK)
+    plain = decode(model, prompts, cfg)
+    codes = frozenset(t for o in plain for t in o.tokens[1::2])
+    strict = dataclasses.replace(cfg, sid_threshold=1.0, sid_token_ids=codes)
+    marker = plain[0].tokens[9]  # a token the first row writes mid-answer, in its second block
+    scoped = decode(model, prompts, dataclasses.replace(strict, sid_after=(marker,)))
+    assert [o.tokens for o in scoped] != [o.tokens for o in decode(model, prompts, strict)]
+    for p, s in zip(plain, scoped, strict=True):
+        end = p.tokens.index(marker) + 1 if marker in p.tokens else len(p.tokens)
+        assert s.tokens[:end] == p.tokens[:end] and s.commit_steps[:end] == p.commit_steps[:end]
+        assert not _codes_ride_along(s, codes, 8, start=end)
+    assert _codes_ride_along(plain[0], codes, 8, start=10)  # plain's do there: the check above can fail
 
 
 @pytest.mark.parametrize(("fused", "nfe"), [(True, 2 + 2), (False, 1 + 2 + 1 + 2)])

@@ -170,6 +170,15 @@ def test_decode_config_for_reads_model_and_tokenizer(world) -> None:
     assert sid_cfg.sid_threshold == 0.99 and codes and all(re.fullmatch(r"<[a-z]_\d+>", t) for t in codes)
     assert (cfg.sid_threshold, cfg.sid_token_ids) == (None, frozenset())  # default: tau everywhere
     assert decode_config_for(diffusion, tokenizer, None, strict).sid_threshold is None
+    # Its scope: every SID code (no marker), or the ranking list's only (after the list's key)
+    assert sid_cfg.sid_after == ()
+    listed = decode_config_for(diffusion, tokenizer, 0.6, dataclasses.replace(strict, sid_scope="list"))
+    assert (
+        tokenizer.decode(listed.sid_after) == "recommendations"
+        and listed.sid_token_ids == sid_cfg.sid_token_ids
+    )
+    with pytest.raises(ValueError, match="sid_scope"):
+        decode_config_for(diffusion, tokenizer, 0.6, dataclasses.replace(strict, sid_scope="explanation"))
 
 
 def test_drafts_reach_ar_systems_only_and_change_no_ranking(world) -> None:

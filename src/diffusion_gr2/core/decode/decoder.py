@@ -39,7 +39,9 @@ SID threshold (`DecodeConfig.sid_threshold`, any rule): a position whose chosen 
 joins a step's parallel commits only above this higher tau; the explanation's free text keeps `tau`.
 Free answers break at SID codes (rl, tau 0.9, 320 validation requests: all 144 invalid answers first
 left the grammar inside the recommendations, as a foreign or repeated ID), so a strict tau there
-buys validity at little speed (docs/experiments.md#sid-threshold).
+buys validity at little speed (docs/experiments.md#sid-threshold). With `sid_after` (the ranking
+list's key) it holds in the ranking list only and the explanation's cited SIDs keep `tau`: more tokens
+per forward, fewer answers the model's own (docs/experiments.md#sid-threshold-scope).
 
 Constraints (`decode(..., constraints=...)`, one `TokenConstraint` per prompt, e.g. the answer
 grammar of `grammar.py`): a token is only committed when its row's constraint allows it. The model's
@@ -189,6 +191,9 @@ class DecodeConfig:
     # answer (a foreign or repeated ID); the free text around them is safe at a lower tau.
     sid_threshold: float | None = None
     sid_token_ids: frozenset[int] = frozenset()
+    # The SID threshold holds only after this token sequence (the ranking list's key,
+    # `grammar.list_key_ids`): the explanation's cited SIDs keep `threshold`. Empty = everywhere.
+    sid_after: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -743,12 +748,44 @@ def _commit_mask(
 
 
 def _sid_gated(
-    conf: list[float], tokens: Sequence[int], threshold: float, sid_ids: frozenset[int]
+    conf: list[float], tokens: Sequence[int], threshold: float, sid_ids: frozenset[int], start: int = 0
 ) -> list[float]:
-    """`conf` with every SID-code choice not above `threshold` made unconfident (it then commits only
-    where a commit is due: the leftmost masked position, or the step cap)."""
+    """`conf` with every SID-code choice from index `start` on not above `threshold` made unconfident
+    (it then commits only where a commit is due: the leftmost masked position, or the step cap)."""
     log_tau = math.log(threshold) if threshold > 0 else -math.inf
-    return [-math.inf if t in sid_ids and c <= log_tau else c for c, t in zip(conf, tokens, strict=True)]
+    return [
+        -math.inf if j >= start and t in sid_ids and c <= log_tau else c
+        for j, (c, t) in enumerate(zip(conf, tokens, strict=True))
+    ]
+
+
+def _gate_start(st: _Batch, blk: _Block, row: int, lo: int, chosen: Sequence[int]) -> int:
+    """Index into this forward's positions `lo ..` of batch row `row` from which the SID threshold
+    holds: 0 without `cfg.sid_after`; else the first position after that sequence ends in the row's
+    text (its answer so far, the block's committed tokens, then this forward's choices), and none
+    (`len(chosen)`) where it has not been written."""
+    marker = st.cfg.sid_after
+    if not marker:
+        return 0
+    hi = lo + len(chosen)
+    ahead = [
+        c if m else t for t, m, c in zip(blk.tokens[row][lo:hi], blk.masked[row][lo:hi], chosen, strict=True)
+    ]
+    text = [*st.records[st.active[row]].tokens, *blk.tokens[row][:lo], *ahead]
+    end = _find_end(text, marker)
+    return len(chosen) if end is None else max(0, end - (len(text) - len(ahead)))
+
+
+def _find_end(seq: list[int], marker: Sequence[int]) -> int | None:
+    """Index just after the first occurrence of `marker` in `seq` (None = it does not occur)."""
+    n, i, want = len(marker), -1, list(marker)
+    while True:
+        try:
+            i = seq.index(want[0], i + 1)  # the scan runs in C: a decode step calls this per row
+        except ValueError:
+            return None
+        if seq[i : i + n] == want:
+            return i + n
 
 
 def _needs_step(tokens: list[int], masked: list[bool], limit: int, eos: frozenset[int]) -> bool:
@@ -883,7 +920,8 @@ def _run_block(st: _Batch, blk: _Block, limit: int) -> None:
                 ]
                 drafts.append(aligned)
             if cfg.sid_threshold is not None:
-                conf = _sid_gated(conf, tokens[i], cfg.sid_threshold, cfg.sid_token_ids)
+                start = _gate_start(st, blk, r, lo, tokens[i])
+                conf = _sid_gated(conf, tokens[i], cfg.sid_threshold, cfg.sid_token_ids, start)
             # constrained rows make their run in the constraint walk (it may extend it)
             cut = st.constraint(r) is None
             pick = _commit_mask(cand, conf, cfg.threshold, fill, cfg.commit_rule, cut=cut)

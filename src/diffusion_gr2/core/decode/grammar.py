@@ -48,6 +48,7 @@ __all__ = [
     "accepts",
     "allowed_masks",
     "answer_grammars",
+    "list_key_ids",
     "prompt_sids",
     "sid_token_ids",
 ]
@@ -411,6 +412,16 @@ def accepts(constraint: TokenConstraint, tokens: Sequence[int], max_new_tokens: 
 def sid_token_ids(tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
     """The ids of the tokenizer's SID-code tokens (`<a_12>`, one level of a SID each)."""
     return frozenset(i for t, i in tokenizer.get_vocab().items() if SID_TOKEN.fullmatch(t))
+
+
+def list_key_ids(tokenizer: PreTrainedTokenizerBase) -> tuple[int, ...]:
+    """The tokens that write the ranking list's key in the closing literal as the tokenizer writes it
+    (ours: one token, `recommendations`): once they are written, what follows is the ranking list."""
+    ids = tokenizer(CLOSE, add_special_tokens=False)["input_ids"]
+    spans = [(i, j) for i in range(len(ids)) for j in range(i + 1, len(ids) + 1)]
+    key = [(j - i, i, j) for i, j in spans if "recommendations" in tokenizer.decode(ids[i:j])]
+    _, i, j = min(key)  # the shortest span that holds the whole word
+    return tuple(ids[i:j])
 
 
 def prompt_sids(tokens: GrammarTokens, prompt: Sequence[int], length: int) -> set[tuple[int, ...]]:

@@ -31,7 +31,13 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from diffusion_gr2.core.decode.decoder import DecodeConfig, DecodeOutput, decode
-from diffusion_gr2.core.decode.grammar import AnswerGrammar, accepts, answer_grammars, sid_token_ids
+from diffusion_gr2.core.decode.grammar import (
+    AnswerGrammar,
+    accepts,
+    answer_grammars,
+    list_key_ids,
+    sid_token_ids,
+)
 from diffusion_gr2.core.evaluate.metrics import (
     user_values,
 )
@@ -68,6 +74,7 @@ __all__ = [
 
 SYSTEMS = ("prerank", "ar_sft", "ar_rl", "naive", "cft", "opd", "rl")  # DESIGN §10, in report order
 AR_SYSTEMS = ("ar_sft", "ar_rl")
+SID_SCOPES = ("answer", "list")  # where RerankConfig.sid_threshold holds
 DIFFUSION_SYSTEMS = ("naive", "cft", "opd", "rl")
 RANKING_COLUMNS = (
     "split",
@@ -117,6 +124,9 @@ class RerankConfig:
     # (None = tau everywhere). Free answers break at SID codes, not in the explanation
     # (DecodeConfig.sid_threshold); chosen on validation.
     sid_threshold: float | None = None
+    # Where the SID threshold holds: "answer" (every SID code) or "list" (the ranking list only: the
+    # explanation's cited SIDs keep tau; DecodeConfig.sid_after).
+    sid_scope: str = "answer"
 
 
 def resolve_device(name: str) -> torch.device:
@@ -164,6 +174,9 @@ def decode_config_for(
         if mask_id is None:
             raise ValueError("a block-diffusion model needs config.mask_token_id (set by conversion)")
         threshold = float(tau)
+    if config.sid_scope not in SID_SCOPES:
+        raise ValueError(f"sid_scope {config.sid_scope!r}: expected one of {SID_SCOPES}")
+    sid_gated = block_size > 1 and config.sid_threshold is not None
     return DecodeConfig(
         block_size=int(block_size),
         threshold=threshold,
@@ -183,9 +196,8 @@ def decode_config_for(
         draft=config.draft if block_size == 1 else "prompt" if config.copy_drafts else None,
         draft_tokens=config.draft_tokens,
         sid_threshold=config.sid_threshold if block_size > 1 else None,
-        sid_token_ids=sid_token_ids(tokenizer)
-        if block_size > 1 and config.sid_threshold is not None
-        else frozenset(),
+        sid_token_ids=sid_token_ids(tokenizer) if sid_gated else frozenset(),
+        sid_after=list_key_ids(tokenizer) if sid_gated and config.sid_scope == "list" else (),
     )
 
 
