@@ -182,10 +182,23 @@ class NodeTimingHooks:
     `data/08_reporting/node_times.json` (nodes slowest first, the run's total, and what ran where:
     start time, commit, environment, machine) and prints the slowest nodes at the end, so a team
     sizing the default run against its budget sees what to shrink. A run of named pipelines writes
-    `node_times.<names>.json` instead, so `make benchmark` keeps the default run's record.
+    `node_times.<names>.json` instead, so `make benchmark` keeps the default run's record, and a run
+    of part of a pipeline (`--nodes`, `--from-nodes`, `--tags`, ...) `node_times.partial.json`, so
+    the record `make results` prints beside a run's table stays that run's.
     """
 
     REPORT = Path("data/08_reporting/node_times.json")
+    # Kedro's run_params that run part of a pipeline (`kedro run --nodes`, `--only-missing-outputs`, ...)
+    PART_FILTERS = (
+        "node_names",
+        "from_nodes",
+        "to_nodes",
+        "from_inputs",
+        "to_outputs",
+        "tags",
+        "namespaces",
+        "only_missing_outputs",
+    )
 
     def __init__(self) -> None:
         self._start: dict[str, float] = {}
@@ -241,6 +254,8 @@ class NodeTimingHooks:
         path = project / self.REPORT
         if names:
             path = path.with_name(f"node_times.{'+'.join(names)}.json")
+        if any(run_params.get(key) for key in self.PART_FILTERS):
+            path = path.with_name(f"{path.stem}.partial.json")
         if path.parent.is_dir():
             path.write_text(json.dumps(report, indent=2) + "\n")
         top = ", ".join(f"{name} {sec / 60:.1f} min" for name, sec in list(nodes.items())[:6])

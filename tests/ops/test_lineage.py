@@ -6,6 +6,7 @@ import warnings
 from pathlib import Path
 
 import mlflow
+import pytest
 from kedro.framework.hooks.manager import _create_hook_manager
 from kedro.io import DataCatalog, MemoryDataset
 from kedro.pipeline import Node, Pipeline
@@ -129,3 +130,32 @@ def test_the_run_record_names_the_commit_the_run_started_from(tmp_path: Path, mo
     timing.after_pipeline_run({"project_path": str(tmp_path)})
     record = json.loads((tmp_path / "data/08_reporting/node_times.json").read_text())
     assert record["run"]["git_commit"] == "start" and list(record["nodes_s"]) == ["work"]
+
+
+@pytest.mark.parametrize(
+    ("run_params", "written"),
+    [
+        ({}, "node_times.json"),
+        ({"pipeline_names": ["benchmark"]}, "node_times.benchmark.json"),
+        ({"node_names": ["work"]}, "node_times.partial.json"),
+        ({"from_nodes": ["work"]}, "node_times.partial.json"),
+        ({"pipeline_names": ["benchmark"], "tags": ["t"]}, "node_times.benchmark.partial.json"),
+    ],
+)
+def test_only_a_whole_default_run_writes_the_run_record(
+    tmp_path: Path, monkeypatch, run_params: dict, written: str
+) -> None:
+    """A named pipeline or part of a pipeline never overwrites node_times.json, the default run's record
+    that `make results` prints beside its table."""
+    from diffusion_gr2 import hooks
+
+    monkeypatch.setattr(hooks, "git_commit", lambda _project: {"git_commit": "c", "git_dirty": "false"})
+    reports = tmp_path / "data/08_reporting"
+    reports.mkdir(parents=True)
+    timing = hooks.NodeTimingHooks()
+    timing.before_pipeline_run({"project_path": str(tmp_path)})
+    node = Node(lambda x: x, "a", "b", name="work")
+    timing.before_node_run(node)
+    timing.after_node_run(node)
+    timing.after_pipeline_run({"project_path": str(tmp_path), **run_params})
+    assert sorted(p.name for p in reports.iterdir()) == [written]
