@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/decode_profile.py [--systems ar_rl rl] [--taus 0.9 0.6] [--windows 0 4]
         [--batch-sizes 1 16] [--backends lean eager] [--n 16] [--split test] [--threads 2] [--no-fused]
-        [--free] [--no-jump] [--sid-tau 0.99] [--compile] [--rounds 3] [--cost-rounds 15] [--repeats 10]
+        [--free] [--no-jump] [--sid-tau 0.99] [--sid-scopes answer list] [--compile] [--rounds 3] [--cost-rounds 15] [--repeats 10]
         [--json OUT.json]
     .venv/bin/python benchmarks/decode_profile.py --random [--vocab 2256] [--block-size 8] [--prompt-len 262]
 
@@ -15,7 +15,9 @@ and splits the wall time into
 For diffusion it also splits tokens and forwards by part of the answer: the blocks of the
 explanation, the block where the ranking list starts, and the list's blocks. Window 0 on the command
 line means the whole block; `--backends` compares the model forwards side by side (`lean`, the
-default, and `eager`, the transformers modules).
+default, and `eager`, the transformers modules). `--sid-tau 0.99` decodes diffusion systems with the
+SID threshold as served (`inference.decoding.sid_threshold`), and `--sid-scopes answer list` times
+where it holds side by side (`RerankConfig.sid_scope`).
 
 Then the forward-cost table: what one decoding step of each kind costs (`core/bench/steps.py`: an AR
 step = one new token and one LM-head row; `canvas_q` = a later block step, q positions fed and the
@@ -65,7 +67,13 @@ from diffusion_gr2.core.decode import decoder
 from diffusion_gr2.core.decode.decoder import DecodeConfig, decode
 from diffusion_gr2.core.model.diffusion import as_block_diffusion
 from diffusion_gr2.core.model.factory import ModelSpec, build_model, load_model
-from diffusion_gr2.core.rank.rerank import RerankConfig, decode_config_for, request_grammars, select_requests
+from diffusion_gr2.core.rank.rerank import (
+    SID_SCOPES,
+    RerankConfig,
+    decode_config_for,
+    request_grammars,
+    select_requests,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMERS: dict[str, float] = defaultdict(float)
@@ -258,14 +266,20 @@ def _decode_profile(args: argparse.Namespace, tokenizer: Any, requests: pd.DataF
     for system in args.systems:
         model = load_model(args.models / system).eval()
         is_ar = system.startswith("ar_")
-        for tau, window in itertools.product([None] if is_ar else args.taus, [0] if is_ar else args.windows):
+        scopes = [None] if is_ar or not args.sid_tau else args.sid_scopes  # a scope needs a SID tau
+        for tau, window, scope in itertools.product(
+            [None] if is_ar else args.taus, [0] if is_ar else args.windows, scopes
+        ):
             for batch, backend in itertools.product(args.batch_sizes, args.backends):
                 if len(prompts) % batch:
                     raise SystemExit(
                         f"--n {len(prompts)} is not a multiple of batch size {batch}: full batches only"
                     )
                 base = RerankConfig(
-                    max_new_tokens=args.max_new_tokens, batch_size=batch, sid_threshold=args.sid_tau or None
+                    max_new_tokens=args.max_new_tokens,
+                    batch_size=batch,
+                    sid_threshold=args.sid_tau or None,
+                    sid_scope=scope or "answer",
                 )
                 cfg = dataclasses.replace(
                     decode_config_for(model, tokenizer, tau, base),
@@ -274,15 +288,15 @@ def _decode_profile(args: argparse.Namespace, tokenizer: Any, requests: pd.DataF
                     backend=backend,
                     jump_forward=not args.no_jump,
                 )
-                profiled[(system, backend, tau, window, batch)] = _Profiled(model, cfg, shared)
+                profiled[(system, backend, tau, window, scope, batch)] = _Profiled(model, cfg, shared)
     with _instrumented():
         timed = time_rounds({k: p.system() for k, p in profiled.items()}, shared, args.rounds)
     rows = []
-    for (system, backend, tau, window, batch), p in profiled.items():
-        row = p.summary(timed[(system, backend, tau, window, batch)], 1, tokenizer)
-        rows.append(
-            {"system": system, "backend": backend, "tau": tau, "window": window, "batch": batch} | row
-        )
+    for key, p in profiled.items():
+        system, backend, tau, window, scope, batch = key
+        row = p.summary(timed[key], 1, tokenizer)
+        setting = {"system": system, "backend": backend, "tau": tau, "window": window, "sid_scope": scope}
+        rows.append(setting | {"batch": batch} | row)
     _add_speedups(rows)
     return rows
 
@@ -298,7 +312,7 @@ def _add_speedups(rows: list[dict[str, Any]]) -> None:
 
 def _print_rows(rows: list[dict[str, Any]]) -> None:
     print(
-        f"{'system':6s} {'backend':7s} {'tau':>4s} {'win':>3s} {'batch':>5s} {'tok/s':>7s} {'tok/fwd':>7s} "
+        f"{'system':6s} {'backend':7s} {'tau':>4s} {'win':>3s} {'scope':>6s} {'batch':>5s} {'tok/s':>7s} {'tok/fwd':>7s} "
         f"{'fwd ms':>6s} {'forward':>8s} {'grammar':>8s} {'other':>8s}  vs AR [interval]"
     )
     for row in rows:
@@ -312,6 +326,7 @@ def _print_rows(rows: list[dict[str, Any]]) -> None:
         )
         print(
             f"{row['system']:6s} {row['backend']:7s} {row['tau'] or '-':>4} {row['window'] or '-':>3} "
+            f"{row['sid_scope'] or '-':>6} "
             f"{row['batch']:5d} {row['tokens_per_s']:7.0f} {row['tokens_per_forward']:7.2f} "
             f"{row['ms_per_forward_call']:6.2f} {row['forward_s'] / wall:8.0%} {row['grammar_s'] / wall:8.0%} "
             f"{row['other_s'] / wall:8.0%}  {vs}"
@@ -355,6 +370,13 @@ def _arguments() -> argparse.Namespace:
         type=float,
         default=0.0,
         help="the tau a SID code must clear (inference.decoding.sid_threshold, 0.99 as served; 0 = tau)",
+    )
+    parser.add_argument(
+        "--sid-scopes",
+        nargs="+",
+        default=["answer"],
+        choices=list(SID_SCOPES),
+        help="where the SID tau holds",
     )
     parser.add_argument(
         "--random", action="store_true", help="forward costs of a random default-size model only"

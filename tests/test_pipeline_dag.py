@@ -195,7 +195,7 @@ def test_decode_profile_and_variants_scripts_run_on_the_trained_models(dag_run: 
         "decode_profile.py",
         *inputs,
         *("--systems", "ar_rl", "rl", "--n", "2", "--batch-sizes", "1", "2", "--threads", "1"),
-        *("--repeats", "1", "--windows", "0", "2", "--backends", "lean", "eager"),
+        *("--repeats", "1", "--windows", "0", "2", "--backends", "lean", "eager", "--sid-tau", "0.99"),
         *("--json", str(tmp_path / "profile.json")),
     )
     profile = json.loads((tmp_path / "profile.json").read_text())
@@ -231,14 +231,24 @@ def test_decode_profile_and_variants_scripts_run_on_the_trained_models(dag_run: 
         *inputs,
         *("--taus", "0.9", "--max-users", "2", "--threads", "1", "--json", str(tmp_path / "variants.json")),
         *("--systems", "ar_rl", "rl", "--copy", "off", "on", "--cite", "off", "on", "--reference", "ar_rl"),
+        *("--sid-taus", "0.99", "--sid-scopes", "answer", "list"),
     )
     variants = json.loads((tmp_path / "variants.json").read_text())
-    got = [(v["system"], v["mode"], v["copy_drafts"], v["cite_prompt_sids"], v["n"]) for v in variants]
-    ar = [("ar_rl", "fused", False, cite, 2) for cite in (False, True)]  # AR: no modes, taus or copy drafts
+    got = [
+        (v["system"], v["mode"], v["copy_drafts"], v["cite_prompt_sids"], v["sid_scope"], v["n"])
+        for v in variants
+    ]
+    # AR: no modes, taus, copy drafts or SID tau
+    ar = [("ar_rl", "fused", False, cite, "answer", 2) for cite in (False, True)]
     rl = [
-        ("rl", m, c, cite, 2) for m in ("fused", "separate") for c in (False, True) for cite in (False, True)
+        ("rl", m, c, cite, scope, 2)
+        for m in ("fused", "separate")
+        for c in (False, True)
+        for cite in (False, True)
+        for scope in ("answer", "list")
     ]
     assert got == ar + rl
+    assert {v["sid_threshold"] for v in variants} == {None, 0.99}
     assert all(0.0 <= v["unforced_rate"] <= 1.0 and v["tokens_per_forward"] >= 1.0 for v in variants)
     assert all(v["recall@1_vs_reference"] is not None for v in variants)
     assert variants[0]["recall@1_vs_reference"] == [0.0, 0.0, 0.0]  # ar_rl against itself
