@@ -17,6 +17,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from diffusion_gr2.core.decode.decoder import DecodeConfig, decode
+from diffusion_gr2.core.decode.grammar import LIST_KEY, list_key_ids
 from diffusion_gr2.core.model.diffusion import convert_to_block_diffusion
 from diffusion_gr2.core.model.factory import (
     ModelSpec,
@@ -121,6 +122,8 @@ def test_the_traces_stage_extends_the_pretrained_tokenizer_instead_of_training_o
     sids = pd.DataFrame({"sid": ["".join(SIDS)]})
     tokenizer = train_tokenizer(pd.DataFrame(), sids, {"vocab_size": 300}, {"kind": "gguf", "path": None})
     assert len(tokenizer) > 49152 and tokenizer.convert_tokens_to_ids("<c_3>") >= 49152
+    key = list_key_ids(tokenizer)  # the SID threshold's list scope finds the key in several BPE tokens
+    assert len(key) > 1 and tokenizer.decode(list(key)) == LIST_KEY
 
 
 def test_pretrained_specs_name_real_files(tmp_path: Path) -> None:

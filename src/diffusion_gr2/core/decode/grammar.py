@@ -54,7 +54,8 @@ __all__ = [
 ]
 
 OPEN = '{"explanation":"'
-CLOSE = '","recommendations":["'  # ends with the first SID's opening quote
+LIST_KEY = "recommendations"  # the ranking list's key
+CLOSE = f'","{LIST_KEY}":["'  # ends with the first SID's opening quote
 SEPARATOR = '","'
 END = '"]}'
 # JSON escapes after a backslash; a unicode escape (backslash-u and four hex digits) is not accepted:
@@ -415,11 +416,11 @@ def sid_token_ids(tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
 
 
 def list_key_ids(tokenizer: PreTrainedTokenizerBase) -> tuple[int, ...]:
-    """The tokens that write the ranking list's key in the closing literal as the tokenizer writes it
-    (ours: one token, `recommendations`): once they are written, what follows is the ranking list."""
+    """The tokens that write the ranking list's key (`LIST_KEY`) in the closing literal as the tokenizer
+    writes it (ours: one token): once they are written, what follows is the ranking list."""
     ids = tokenizer(CLOSE, add_special_tokens=False)["input_ids"]
     spans = [(i, j) for i in range(len(ids)) for j in range(i + 1, len(ids) + 1)]
-    key = [(j - i, i, j) for i, j in spans if "recommendations" in tokenizer.decode(ids[i:j])]
+    key = [(j - i, i, j) for i, j in spans if LIST_KEY in tokenizer.decode(ids[i:j])]
     _, i, j = min(key)  # the shortest span that holds the whole word
     return tuple(ids[i:j])
 
