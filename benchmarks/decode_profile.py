@@ -2,8 +2,8 @@
 
     .venv/bin/python benchmarks/decode_profile.py [--systems ar_rl rl] [--taus 0.9 0.6] [--windows 0 4]
         [--batch-sizes 1 16] [--backends lean eager] [--n 16] [--split test] [--threads 2] [--no-fused]
-        [--free] [--no-jump] [--sid-tau 0.99] [--sid-scopes answer list] [--compile] [--rounds 3] [--cost-rounds 15] [--repeats 10]
-        [--json OUT.json]
+        [--free] [--no-jump] [--sid-tau 0.99] [--sid-scopes answer list] [--compile] [--rounds 3]
+        [--cost-rounds 15] [--repeats 10] [--json OUT.json]
     .venv/bin/python benchmarks/decode_profile.py --random [--vocab 2256] [--block-size 8] [--prompt-len 262]
 
 Decodes the first `--n` requests of `--split` (test) with the trained models in

@@ -2,7 +2,8 @@
 
     .venv/bin/python benchmarks/decode_variants.py [--systems ar_rl rl] [--taus 0.9 0.6 0.4]
         [--windows 0 4 8] [--modes fused separate] [--jump on off] [--copy off on] [--draft-tokens 3]
-        [--cite off on] [--sid-taus 0 0.95] [--sid-scopes answer list] [--reference ar_rl] [--split valid] [--max-users N] [--threads 2] [--json OUT.json]
+        [--cite off on] [--sid-taus 0 0.95] [--sid-scopes answer list] [--reference ar_rl] [--split valid]
+        [--max-users N] [--threads 2] [--json OUT.json]
 
 Every variant decodes the same requests of `--split` (validation by default: these figures choose
 settings, test only reports them) under the answer grammar, as served, with the trained models in

@@ -602,9 +602,13 @@ class _Batch:
         """Batch row `row`'s constraint (None: unconstrained)."""
         return None if self.constraints is None else self.constraints[self.active[row]]
 
+    def written(self, row: int) -> list[int]:
+        """The tokens batch row `row` has written so far (its finished blocks)."""
+        return self.records[self.active[row]].tokens
+
     def budget(self, row: int) -> int:
         """Tokens batch row `row` may still write."""
-        return self.cfg.max_new_tokens - len(self.records[self.active[row]].tokens)
+        return self.cfg.max_new_tokens - len(self.written(row))
 
     def choose(self, logits: Tensor) -> tuple[list[Any], list[Any]]:
         """`_choose` as host lists: tokens and log-probs `[...]` of logits `[..., v]`."""
@@ -771,7 +775,7 @@ def _gate_start(st: _Batch, blk: _Block, row: int, lo: int, chosen: Sequence[int
     ahead = [
         c if m else t for t, m, c in zip(blk.tokens[row][lo:hi], blk.masked[row][lo:hi], chosen, strict=True)
     ]
-    text = [*st.records[st.active[row]].tokens, *blk.tokens[row][:lo], *ahead]
+    text = [*st.written(row), *blk.tokens[row][:lo], *ahead]
     end = _find_end(text, marker)
     return len(chosen) if end is None else max(0, end - (len(text) - len(ahead)))
 
