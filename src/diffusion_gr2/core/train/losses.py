@@ -13,9 +13,17 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-NOISE_PATTERNS = ("complementary", "suffix")
+NOISE_PATTERNS = ("complementary", "suffix", "trajectory")
 
-__all__ = ["NOISE_PATTERNS", "CFTNoise", "cft_noise", "forward_kl", "pad_to_blocks", "weighted_token_ce"]
+__all__ = [
+    "NOISE_PATTERNS",
+    "CFTNoise",
+    "certainty_penalty",
+    "cft_noise",
+    "forward_kl",
+    "pad_to_blocks",
+    "weighted_token_ce",
+]
 
 REASONING, ANSWER, PADDING = 0, 1, -1  # response roles (core/text/tokenizer.py: encode_example)
 
@@ -58,6 +66,31 @@ def weighted_token_ce(
     return loss, metrics
 
 
+def certainty_penalty(
+    logits: torch.Tensor, targets: torch.Tensor, loss_mask: torch.Tensor
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Mean entropy of the positions in ``loss_mask`` whose arg-max is already the target (dParallel).
+
+    Certainty forcing: a position the model already gets right but below tau stops a step's run of
+    commits; lowering its entropy lets it clear tau in an earlier forward. Wrong positions are left to
+    the cross-entropy (sharpening a wrong guess would make it commit the error sooner).
+    logits [b, r, v], targets [b, r], loss_mask [b, r] bool. An empty set gives 0 (differentiable).
+    """
+    logp = F.log_softmax(logits.float(), dim=-1)  # [b, r, v]
+    entropy = -(logp.exp() * logp).sum(-1)  # [b, r]
+    correct = loss_mask.bool() & (logits.argmax(dim=-1) == targets)
+    n = correct.sum()
+    loss = (entropy * correct).sum() / n.clamp_min(1)
+    with torch.no_grad():
+        confident = logp.max(-1).values.exp()  # [b, r]
+        metrics = {
+            "certainty_entropy": float(loss),
+            "correct_share": float(n / loss_mask.sum().clamp_min(1)),
+            "correct_confidence": _masked_mean(confident, correct),
+        }
+    return loss, metrics
+
+
 def pad_to_blocks(
     response_ids: torch.Tensor, roles: torch.Tensor, block_size: int, mask_token_id: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -97,6 +130,7 @@ def cft_noise(
     eps: float = 1e-3,
     generator: torch.Generator | None = None,
     pattern: str = "complementary",
+    commit_steps: torch.Tensor | None = None,
 ) -> CFTNoise:
     """Complementary block-wise masking for Conversion Fine-Tuning (DESIGN §6, Fast-dLLM v2).
 
@@ -116,9 +150,19 @@ def cft_noise(
     from position L = floor(t k) is masked (t ~ U(0, 1), drawn apart for each view, so L = 0, the
     block's fused first forward, is one draw in k). The views are no longer complementary: a token is
     supervised in every view that masks it (and a block's first token once, in view a, as above).
+
+    ``pattern="trajectory"``: the canvases a recorded decode really ran (trajectory distillation:
+    dParallel, d3LLM). ``commit_steps`` [b, r] holds the forward of its block that committed each
+    token (`DecodeOutput.commit_steps`: 1 = the block's first forward; padding any value). Per (row,
+    block) and view, one of the block's forwards s is drawn uniformly (t ~ U(0, 1) as above) and the
+    canvas it ran is rebuilt: the tokens committed before s visible, the rest masked. Every masked
+    position is supervised with the token the decode finally wrote there, so positions it committed
+    only in a later forward learn to be written in this one. Not complementary, as `suffix`.
     """
     if pattern not in NOISE_PATTERNS:
         raise ValueError(f"CFT noise pattern must be one of {NOISE_PATTERNS}, got {pattern!r}")
+    if (pattern == "trajectory") != (commit_steps is not None):
+        raise ValueError("commit_steps are needed by, and only by, the trajectory pattern")
     b, r = response_ids.shape
     if r % block_size:
         raise ValueError(f"response length {r} is not a multiple of block size {block_size}")
@@ -131,14 +175,19 @@ def cft_noise(
     real = (response_ids != mask_token_id) & (roles != PADDING)
     block_first = (torch.arange(r, device=device) % block_size == 0).unsqueeze(0)  # [1, r]
     maskable = real if block_size > 1 else torch.zeros_like(real)  # block size 1: the AR loss
-    if pattern == "suffix":
-        t_b = torch.rand(b, r // block_size, generator=generator, device=draw).to(device)
-        in_block = torch.arange(r, device=device) % block_size  # [r]
-        starts = [(tt * block_size).long().repeat_interleave(block_size, dim=1) for tt in (t, t_b)]
-        masked_a, masked_b = (maskable & (in_block >= start) for start in starts)
-    else:
+    if pattern == "complementary":
         masked_a = maskable & (u < p)
         masked_b = maskable & ~masked_a
+    else:  # one draw per view
+        t_b = torch.rand(b, r // block_size, generator=generator, device=draw).to(device)
+        if pattern == "suffix":
+            in_block = torch.arange(r, device=device) % block_size  # [r]
+            starts = [(tt * block_size).long().repeat_interleave(block_size, dim=1) for tt in (t, t_b)]
+            masked_a, masked_b = (maskable & (in_block >= start) for start in starts)
+        else:
+            masked_a, masked_b = (
+                maskable & _trajectory_masked(commit_steps, tt, block_size) for tt in (t, t_b)
+            )
     mask_id = torch.full_like(response_ids, mask_token_id)
     return CFTNoise(
         noisy_a=torch.where(masked_a, mask_id, response_ids),
@@ -146,6 +195,16 @@ def cft_noise(
         loss_a=(masked_a & ~block_first) | (real & block_first),
         loss_b=masked_b & ~block_first,
     )
+
+
+def _trajectory_masked(commit_steps: torch.Tensor, t: torch.Tensor, block_size: int) -> torch.Tensor:
+    """[b, r] bool: the positions still masked in the canvas of forward s = 1 + floor(t n) of each
+    block, n its forwards (the largest commit step in it; padding carries -1). t [b, blocks] ~ U(0, 1)."""
+    b, r = commit_steps.shape
+    steps = commit_steps.view(b, r // block_size, block_size)
+    forwards = steps.amax(-1).clamp_min(1)  # [b, blocks]
+    drawn = 1 + (t * forwards).long().clamp_max(forwards - 1)  # [b, blocks], in 1..n
+    return (steps >= drawn[..., None]).view(b, r)
 
 
 def forward_kl(

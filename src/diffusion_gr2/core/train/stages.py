@@ -34,7 +34,13 @@ from diffusion_gr2.core.train.grpo import (
     reuse_batches,
 )
 from diffusion_gr2.core.train.loop import move_to
-from diffusion_gr2.core.train.losses import cft_noise, forward_kl, pad_to_blocks, weighted_token_ce
+from diffusion_gr2.core.train.losses import (
+    certainty_penalty,
+    cft_noise,
+    forward_kl,
+    pad_to_blocks,
+    weighted_token_ce,
+)
 
 PADDING_ROLE = -1
 
@@ -50,6 +56,9 @@ class TokenBatch:
     response_mask: torch.Tensor  # [b, r] keys: real tokens (block form: whole blocks, `as_blocks`)
     roles: torch.Tensor  # [b, r]; PADDING_ROLE on padding
     index: int = 0  # micro-batch index: seeds the CFT noise of this batch
+    # [b, r] the forward of its block that committed each token of a recorded decode (-1 on padding):
+    # the canvases of trajectory distillation (`losses.cft_noise`, pattern "trajectory"); else None
+    commit_steps: torch.Tensor | None = None
 
 
 def collate(
@@ -58,6 +67,7 @@ def collate(
     pad_id: int,
     roles: Sequence[Sequence[int]] | None = None,
     index: int = 0,
+    commit_steps: Sequence[Sequence[int]] | None = None,
 ) -> TokenBatch:
     b, p, r = len(prompts), max(map(len, prompts)), max(map(len, responses))
     prompt_ids = torch.full((b, p), pad_id, dtype=torch.long)
@@ -69,7 +79,12 @@ def collate(
         role_ids[i, : len(response)] = torch.tensor(roles[i]) if roles is not None else 1
     prompt_mask = torch.arange(p)[None, :] >= torch.tensor([p - len(x) for x in prompts])[:, None]
     response_mask = role_ids != PADDING_ROLE
-    return TokenBatch(prompt_ids, prompt_mask, response_ids, response_mask, role_ids, index)
+    steps = None
+    if commit_steps is not None:
+        steps = torch.full((b, r), -1, dtype=torch.long)
+        for i, row in enumerate(commit_steps):
+            steps[i, : len(row)] = torch.tensor(row, dtype=torch.long)
+    return TokenBatch(prompt_ids, prompt_mask, response_ids, response_mask, role_ids, index, steps)
 
 
 def epoch_sampler(n: int, batch_size: int, seed: int) -> Callable[[int], np.ndarray]:
@@ -95,20 +110,31 @@ class SupervisedConfig:
     block_size: int = 1  # 1 = AR SFT; k > 1 = conversion fine-tuning with block size k
     eps: float = 1e-3  # CFT: minimum masking probability of a position
     seed: int = 0
-    # CFT canvases (`losses.cft_noise`): "complementary" random masks (Fast-dLLM v2) or "suffix"
-    # (a committed prefix and a masked suffix per block: what the `prefix` decoder feeds)
+    # CFT canvases (`losses.cft_noise`): "complementary" random masks (Fast-dLLM v2), "suffix"
+    # (a committed prefix and a masked suffix per block: what the `prefix` decoder feeds) or
+    # "trajectory" (the canvases a recorded decode ran: trajectory distillation, `core/train/trajectory.py`)
     noise: str = "complementary"
+    # Weight of the certainty term (`losses.certainty_penalty`: entropy of the masked positions already
+    # predicted right) added to the CE; 0 = plain CE (SFT, CFT)
+    certainty: float = 0.0
 
 
 def example_batches(examples: pd.DataFrame, pad_id: int, config: SupervisedConfig) -> Callable:
-    """``make_batch(index, model)`` over the SFT examples frame (prompt_ids, response_ids, roles)."""
+    """``make_batch(index, model)`` over an examples frame (prompt_ids, response_ids, response_roles):
+    SFT examples, or recorded trajectories, whose ``commit_steps`` column the batch then carries."""
     rows_of = epoch_sampler(len(examples), config.batch_size, config.seed)
     prompts, responses, roles = (list(examples[c]) for c in ("prompt_ids", "response_ids", "response_roles"))
+    steps = list(examples["commit_steps"]) if "commit_steps" in examples else None
 
     def make_batch(index: int, model: torch.nn.Module) -> TokenBatch:
         rows = rows_of(index)
         return collate(
-            [prompts[i] for i in rows], [responses[i] for i in rows], pad_id, [roles[i] for i in rows], index
+            [prompts[i] for i in rows],
+            [responses[i] for i in rows],
+            pad_id,
+            [roles[i] for i in rows],
+            index,
+            None if steps is None else [steps[i] for i in rows],
         )
 
     return make_batch
@@ -128,11 +154,17 @@ def as_blocks(batch: TokenBatch, block_size: int, mask_token_id: int) -> TokenBa
     length = (roles != PADDING_ROLE).sum(1, keepdim=True)  # [b, 1]: responses are right-padded
     in_blocks = -(-length // block_size) * block_size  # [b, 1]: the end of each row's final block
     keys = torch.arange(ids.shape[1], device=ids.device)[None, :] < in_blocks  # [b, r]
-    return replace(batch, response_ids=ids, roles=roles, response_mask=keys)
+    steps = batch.commit_steps
+    if steps is not None:
+        steps = torch.nn.functional.pad(steps, (0, ids.shape[1] - steps.shape[1]), value=-1)
+    return replace(batch, response_ids=ids, roles=roles, response_mask=keys, commit_steps=steps)
 
 
 def supervised_loss(config: SupervisedConfig, mask_token_id: int | None = None) -> Callable:
-    """SFT loss (block size 1) or CFT loss: masked-diffusion CE with complementary views (DESIGN §6)."""
+    """SFT loss (block size 1) or CFT loss: masked-diffusion CE with two noisy views (DESIGN §6).
+
+    Trajectory distillation is the same loss on recorded canvases (`config.noise="trajectory"`, the
+    batch's `commit_steps`) plus the certainty term (`config.certainty`)."""
     k = config.block_size
 
     def loss_fn(model: PreTrainedModel, batch: TokenBatch) -> tuple[torch.Tensor, dict[str, float]]:
@@ -146,7 +178,7 @@ def supervised_loss(config: SupervisedConfig, mask_token_id: int | None = None) 
         batch = as_blocks(batch, k, mask_token_id)
         ids, roles = batch.response_ids, batch.roles
         gen = torch.Generator().manual_seed(config.seed * 1_000_003 + batch.index)
-        noise = cft_noise(ids, roles, k, mask_token_id, config.eps, gen, config.noise)
+        noise = cft_noise(ids, roles, k, mask_token_id, config.eps, gen, config.noise, batch.commit_steps)
         # Both complementary views in one forward, as two noisy copies sharing the prompt and the
         # clean copy: every response token is supervised once.
         logits = response_logits(
@@ -158,14 +190,17 @@ def supervised_loss(config: SupervisedConfig, mask_token_id: int | None = None) 
             batch.prompt_mask,
             batch.response_mask,
         ).flatten(0, 1)  # [2b, r, v]: view a and view b of each row, in turn
-        return weighted_token_ce(
-            logits,
+        targets, supervised = (
             ids.repeat_interleave(2, 0),
-            roles.repeat_interleave(2, 0),
             torch.stack([noise.loss_a, noise.loss_b], 1).flatten(0, 1),
-            config.lambda_r,
-            config.lambda_o,
         )
+        loss, metrics = weighted_token_ce(
+            logits, targets, roles.repeat_interleave(2, 0), supervised, config.lambda_r, config.lambda_o
+        )
+        if config.certainty > 0:
+            penalty, more = certainty_penalty(logits, targets, supervised)
+            loss, metrics = loss + config.certainty * penalty, {**metrics, **more}
+        return loss, metrics
 
     return loss_fn
 

@@ -1,0 +1,140 @@
+"""Trajectory distillation: a block-diffusion model trained on the canvases of its own decodes.
+
+The converted model commits ~2 tokens per forward: most positions it will write are already its
+arg-max several forwards before it commits them, but below tau (docs/experiments.md#trajectory-
+distillation). What it is taught here, from its own served decodes on training requests:
+* **the canvases it decodes from** (d3LLM's pseudo-trajectories, dParallel's self-distillation): each
+  recorded decode keeps the forward of its block that committed every token (`DecodeOutput.commit_steps`),
+  so each canvas the decoder ran can be rebuilt, and every position still masked in it is supervised
+  with the token the decode finally wrote (`losses.cft_noise`, pattern "trajectory"): the CFT loss on
+  the masks serving shows, targets from the model itself;
+* **certainty** (dParallel's certainty forcing, LLaDA 2.0's CAP): the entropy of positions already
+  predicted right is lowered (`losses.certainty_penalty`), so they clear tau sooner;
+* **only answers worth copying** (rejection sampling, as the traces stage keeps teacher traces): a
+  decode is kept when its answer is valid and ranks the request's target within `max_target_rank`.
+  Decoded as served (the answer grammar, jump-forward, the SID threshold), so what is kept is always a
+  valid answer and the grammar's corrections are among the targets: the model learns to write what
+  the grammar would have forced (own validity).
+
+Recording is `record_trajectories` (one decode pass, the one decoder); training is the CFT loss of
+`stages.supervised_loss` on the kept rows, in the one loop. Rows set aside keep their reason.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from diffusion_gr2.core.rank.rerank import (
+    RerankConfig,
+    decode_config_for,
+    decode_requests,
+    request_grammars,
+)
+from diffusion_gr2.core.text.parser import parse_answer
+from diffusion_gr2.core.text.tokenizer import decode_response, response_roles
+
+__all__ = [
+    "TRAJECTORY_COLUMNS",
+    "TrajectoryConfig",
+    "kept_trajectories",
+    "record_trajectories",
+    "token_roles",
+]
+
+TRAJECTORY_COLUMNS = (
+    "user_id",
+    "point",
+    "prompt_ids",
+    "response_ids",  # the decoded answer, `<|im_end|>` included
+    "commit_steps",  # per token: the forward of its block that committed it (1 = the first)
+    "response_roles",  # per token: 0 explanation, 1 ranking list (`tokenizer.response_roles`)
+    "nfe",
+    "valid",
+    "target_rank",  # 1-based position of the target in the answer's ranking; 0 = not ranked
+    "kept",
+    "reason",  # why a row was set aside ("" when kept)
+)
+
+
+@dataclass(frozen=True)
+class TrajectoryConfig:
+    """Which decodes are recorded and which are kept."""
+
+    tau: float = 0.75  # commit threshold of the recorded decodes: the served candidate's
+    requests: int | None = 1024  # training requests decoded (a seeded sample); None = every one
+    max_target_rank: int = 3  # keep an answer only if it ranks the target at most here
+    seed: int = 0
+
+
+def token_roles(tokenizer: PreTrainedTokenizerBase, tokens: list[int]) -> list[int]:
+    """Per decoded token, its role as SFT examples have it: explanation, or the list from its key on."""
+    text, offsets = "", []
+    for token in tokens:
+        start = len(text)
+        text += tokenizer.decode([token], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        offsets.append((start, len(text)))
+    return response_roles(text, offsets)
+
+
+def record_trajectories(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    requests: pd.DataFrame,
+    decoding: RerankConfig,
+    config: TrajectoryConfig,
+) -> pd.DataFrame:
+    """Decode `config.requests` of `requests` as served and record each decode (`TRAJECTORY_COLUMNS`)."""
+    n = len(requests) if config.requests is None else min(config.requests, len(requests))
+    order = np.random.default_rng(config.seed).permutation(len(requests))[:n]
+    rows = requests.iloc[np.sort(order)].reset_index(drop=True)
+    grammars = request_grammars(tokenizer, rows, decoding.cite_prompt_sids) if decoding.constrained else None
+    prompts = [list(p) for p in rows["prompt_ids"]]
+    outputs = decode_requests(
+        model,
+        prompts,
+        decode_config_for(model, tokenizer, config.tau, decoding),
+        "record trajectories",
+        grammars,
+    )
+    records = []
+    for req, out in zip(rows.itertuples(index=False), outputs, strict=True):
+        sids = [str(s) for s in req.candidate_sids]
+        parsed = parse_answer(decode_response(tokenizer, out.tokens), sids)
+        target_sid = sids[[int(i) for i in req.candidates].index(int(req.target))]
+        rank = parsed.ranking.index(target_sid) + 1 if parsed.valid and target_sid in parsed.ranking else 0
+        reason = (
+            f"invalid:{parsed.reason}"
+            if not parsed.valid
+            else ""
+            if 0 < rank <= config.max_target_rank
+            else f"target_rank>{config.max_target_rank}"
+        )
+        records.append(
+            {
+                "user_id": int(req.user_id),
+                "point": int(req.point),
+                "prompt_ids": list(req.prompt_ids),
+                "response_ids": list(out.tokens),
+                "commit_steps": list(out.commit_steps),
+                "response_roles": token_roles(tokenizer, list(out.tokens)),
+                "nfe": int(out.nfe),
+                "valid": bool(parsed.valid),
+                "target_rank": rank,
+                "kept": reason == "",
+                "reason": reason,
+            }
+        )
+    return pd.DataFrame(records, columns=list(TRAJECTORY_COLUMNS))
+
+
+def kept_trajectories(trajectories: pd.DataFrame) -> pd.DataFrame:
+    """The rows distillation trains on; an error naming the counts when rejection sampling kept none."""
+    kept = trajectories[trajectories["kept"]].reset_index(drop=True)
+    if kept.empty:
+        reasons = trajectories["reason"].value_counts().to_dict()
+        raise ValueError(f"no recorded trajectory was kept out of {len(trajectories)} (set aside: {reasons})")
+    return kept

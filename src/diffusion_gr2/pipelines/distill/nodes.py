@@ -1,0 +1,57 @@
+"""distill nodes: record rl's served decodes on training requests, then train on their canvases."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pandas as pd
+from transformers import PreTrainedModel, PreTrainedTokenizerFast
+
+from diffusion_gr2.core.rank.rerank import RerankConfig, prepare_model
+from diffusion_gr2.core.train.stages import SupervisedConfig, example_batches, policy_block_size, supervised_loss
+from diffusion_gr2.core.train.trajectory import TrajectoryConfig, kept_trajectories, record_trajectories
+from diffusion_gr2.pipelines.training import train_stage
+
+
+def record_trajectories_node(
+    model: PreTrainedModel,
+    requests: pd.DataFrame,
+    tokenizer: PreTrainedTokenizerFast,
+    params: dict[str, Any],
+    inference: dict[str, Any],
+) -> pd.DataFrame:
+    """`params.trajectories.requests` training requests decoded as inference serves them."""
+    decoding = RerankConfig(**inference["decoding"])
+    train_requests = requests[requests["split"] == "train"].reset_index(drop=True)
+    return record_trajectories(
+        prepare_model(model, decoding.device),
+        tokenizer,
+        train_requests,
+        decoding,
+        TrajectoryConfig(**params["trajectories"]),
+    )
+
+
+def train_distilled(
+    model: PreTrainedModel,
+    trajectories: pd.DataFrame,
+    tokenizer: PreTrainedTokenizerFast,
+    params: dict[str, Any],
+) -> tuple[PreTrainedModel, dict[str, Any]]:
+    """The CFT loss on the kept trajectories' canvases plus the certainty term (`core/train/trajectory.py`)."""
+    kept = kept_trajectories(trajectories)
+    config = SupervisedConfig(**params["supervised"], block_size=policy_block_size(model))
+    make_batch = example_batches(kept, tokenizer.pad_token_id, config)
+    model, summary = train_stage(
+        params["stage"], model, make_batch, supervised_loss(config, tokenizer.mask_token_id), params, kept
+    )
+    recorded = trajectories["response_ids"].map(len).sum()
+    return model, {
+        **summary,
+        "trajectories": len(trajectories),
+        "kept": len(kept),
+        "set_aside_by_reason": trajectories.loc[~trajectories["kept"], "reason"].value_counts().to_dict(),
+        # the recording pass: what the model did before distillation, on training requests
+        "recorded_tokens_per_forward": round(float(recorded / max(trajectories["nfe"].sum(), 1)), 3),
+        "recorded_top1_share": round(float((trajectories["target_rank"] == 1).mean()), 4),
+    }
