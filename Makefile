@@ -51,6 +51,7 @@ setup-airflow: $(AIRFLOW_STAMP)
 run: setup
 	$(BIN)/kedro run
 	@echo "Reports: data/08_reporting/   MLflow: make mlflow-ui (store: mlflow.db)"
+	@$(BIN)/python -m diffusion_gr2 summary
 
 # The longer recipe (more steps, the 10-item prompt): stronger models, ~43 min from scratch on two
 # cores (docs/experiments.md#training-budgets).
@@ -100,7 +101,7 @@ mlflow-ui: setup
 # Operations (docs/operations.md). Fresh interaction files go to data/01_raw/incoming/ first.
 PORT ?= 5001
 VIZ_PORT ?= 4141
-MODEL ?= models:/diffusion-gr2@champion
+MODEL ?=
 
 retrain: setup
 	@# kedro run --pipelines retrain, unless nothing new arrived and a champion serves (--force: always)
@@ -110,10 +111,9 @@ register: setup
 	$(BIN)/kedro run --pipelines register
 
 serve: setup
-	@# --env-manager local: the project's own .venv serves the model (nothing is downloaded).
-	PATH=$(abspath $(BIN)):$$PATH MLFLOW_TRACKING_URI=$${MLFLOW_TRACKING_URI:-sqlite:///mlflow.db} \
-	  MLFLOW_SCORING_SERVER_REQUEST_TIMEOUT=$${MLFLOW_SCORING_SERVER_REQUEST_TIMEOUT:-300} \
-	  $(BIN)/mlflow models serve -m $(MODEL) --env-manager local -h 127.0.0.1 -p $(PORT) -w 1
+	@# the best champion there is (diffusion-gr2, else the teacher, else the pre-rank), said with why,
+	@# served by `mlflow models serve --env-manager local` (the project's own .venv); MODEL= names one
+	$(BIN)/python -m diffusion_gr2 serve --port $(PORT) $(if $(MODEL),--model $(MODEL),)
 
 viz: setup
 	$(BIN)/kedro viz run --host 127.0.0.1 --port $(VIZ_PORT) --no-browser

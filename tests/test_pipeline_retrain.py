@@ -52,7 +52,6 @@ def test_a_cold_retrain_then_a_warm_one_from_its_champion(tmp_path: Path) -> Non
         params = yaml.safe_load(conf.read_text())
         params["retrain"]["gate"] |= {
             "min_unforced_rate": 0.0,
-            "min_valid_rate": 0.0,
             "min_speed_ratio": 0.0,
             "margin": 1.0,
         }

@@ -4,6 +4,8 @@ python -m diffusion_gr2 lineage models:/diffusion-gr2@champion   # or a run id
 python -m diffusion_gr2 registry show
 python -m diffusion_gr2 registry promote diffusion-gr2 3
 python -m diffusion_gr2 registry rollback diffusion-gr2 [--to 2]
+python -m diffusion_gr2 serve [--which] [--port 5001]              # the best champion there is, and why
+python -m diffusion_gr2 summary                                    # one line: what will serve (`make run`)
 python -m diffusion_gr2 retrain [--env ENV] [--force]             # what `make retrain` and cron run
 python -m diffusion_gr2 results [--reporting data/08_reporting]    # the run's results table (Markdown)
 python -m diffusion_gr2 run [kedro run options]                    # kedro run, on one process or many:
@@ -18,17 +20,40 @@ import os
 import sys
 from pathlib import Path
 
-OPS_COMMANDS = ("lineage", "registry", "results", "retrain")
+OPS_COMMANDS = ("lineage", "registry", "results", "retrain", "serve", "summary")
+DEFAULT_STORE = "sqlite:///mlflow.db"
 
 
-def _mlflow_client():
-    """A client on the project's store (``MLFLOW_TRACKING_URI`` or ``sqlite:///mlflow.db``)."""
+class NoStoreError(LookupError):
+    """The MLflow store the commands would read does not exist (no run has written it yet)."""
+
+
+def _store_uri() -> str:
+    return os.environ.get("MLFLOW_TRACKING_URI", DEFAULT_STORE)
+
+
+def _check_store(uri: str) -> None:
+    """`NoStoreError` when `uri` names a local store that is not there (opening it would create it)."""
+    path = None
+    if uri.startswith("sqlite:///"):
+        path = Path(uri.removeprefix("sqlite:///"))
+    elif uri.startswith("file://"):
+        path = Path(uri.removeprefix("file://"))
+    if path is not None and not path.exists():
+        raise NoStoreError(f"no MLflow store at {uri}: run `make run`, then `make register`")
+
+
+def _mlflow_client(must_exist: bool = True):  # noqa: ANN202 (an MlflowClient: mlflow imported here)
+    """A client on the project's store (``MLFLOW_TRACKING_URI`` or ``sqlite:///mlflow.db``);
+    `NoStoreError` when `must_exist` and it is a local store not yet written (opening would create it)."""
     import mlflow
 
     from diffusion_gr2.core.env import quiet_offline_environment
 
     quiet_offline_environment()
-    uri = os.environ.get("MLFLOW_TRACKING_URI", "sqlite:///mlflow.db")
+    uri = _store_uri()
+    if must_exist:
+        _check_store(uri)
     mlflow.set_tracking_uri(uri)
     mlflow.set_registry_uri(uri)
     return mlflow.MlflowClient()
@@ -59,7 +84,66 @@ def _parser() -> argparse.ArgumentParser:
     retrain.add_argument("--force", action="store_true", help="retrain even when nothing new arrived")
     results = sub.add_parser("results", help="the results table of the last run, from its reports")
     results.add_argument("--reporting", default="data/08_reporting", help="the run's reporting folder")
+    serve = sub.add_parser(
+        "serve", help="serve the best champion: diffusion-gr2, else the teacher, else the pre-rank"
+    )
+    serve.add_argument("--which", action="store_true", help="say what would serve and why; serve nothing")
+    serve.add_argument("--model", default=None, help="serve this model URI instead (models:/NAME@ALIAS)")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", default="5001")
+    summary = sub.add_parser("summary", help="one line: what the last run will serve, and what serves now")
+    summary.add_argument("--reporting", default="data/08_reporting", help="the run's reporting folder")
     return parser
+
+
+def serve(args: argparse.Namespace, client) -> int:  # noqa: ANN001 (an MlflowClient)
+    """Say what serves and why, then become `mlflow models serve` on it (unless ``--which``)."""
+    from diffusion_gr2.core.tracking import registry
+
+    if args.model:
+        line = f"serving {args.model} (named on the command line)"
+        uri = args.model
+    else:
+        served = registry.served_champion(client)
+        if served.ref is None:
+            sys.stderr.write(served.line() + "\n")
+            return 1
+        line, uri = served.line(), f"models:/{served.ref.name}@{registry.CHAMPION}"
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+    if args.which:
+        return 0
+    bin_dir = Path(sys.executable).parent
+    env = {**os.environ, "MLFLOW_TRACKING_URI": _store_uri()}
+    # --env-manager local: the project's own environment serves the model (nothing is downloaded)
+    env["PATH"] = f"{bin_dir}{os.pathsep}{env.get('PATH', '')}"
+    env.setdefault("MLFLOW_SCORING_SERVER_REQUEST_TIMEOUT", "300")
+    argv = [str(bin_dir / "mlflow"), "models", "serve", "-m", uri, "--env-manager", "local"]
+    os.execve(argv[0], [*argv, "-h", args.host, "-p", str(args.port), "-w", "1"], env)
+    return 0  # not reached: the process is now the scoring server
+
+
+def summary(reporting: str) -> str:
+    """The run's last line: whether `rl` has an operating point, what `make register` will gate, what
+    serves now. Never fails: a missing report or store is said in the line."""
+    import json
+
+    from diffusion_gr2.core.rank.operating_point import OperatingPointError, resolve_operating_point
+    from diffusion_gr2.core.tracking import registry
+
+    path = Path(reporting) / "operating_point.json"
+    points = json.loads(path.read_text()) if path.exists() else None
+    try:
+        tau, window = resolve_operating_point(points, "rl")
+        where = "whole block" if window is None else f"window {window}"
+        plan = f"rl has an operating point (tau {tau:g}, {where}): `make register` gates it and the teacher"
+    except OperatingPointError as err:
+        plan = f"{err}: `make register` gates the teacher ar_rl alone (the pre-rank serves if it fails)"
+    try:
+        now = registry.served_champion(_mlflow_client()).line()
+    except NoStoreError:
+        now = "nothing registered yet"
+    return f"Will serve: {plan}; now {now}"
 
 
 def retrain(env: str | None, force: bool, client) -> int:  # noqa: ANN001 (an MlflowClient)
@@ -93,6 +177,36 @@ def retrain(env: str | None, force: bool, client) -> int:  # noqa: ANN001 (an Ml
     return 0
 
 
+def show(name: str | None, client) -> int:  # noqa: ANN001 (an MlflowClient)
+    """Every version of `name` (default: the three served models), its aliases, tau and gate decision;
+    what serves now as the last line. An empty registry is one line on stderr and status 1."""
+    from diffusion_gr2.core.tracking import registry
+
+    lines = []
+    for model in [name] if name else registry.SERVING_ORDER:
+        try:
+            rows = registry.version_summary(model, client)
+        except registry.NotFoundError:
+            if name:
+                raise
+            continue  # a store may hold some of the three only
+        for row in rows:
+            aliases = ",".join(row["aliases"]) or "-"
+            lines.append(
+                f"{model} v{row['version']}  aliases {aliases}  tau {row['tau']}  "
+                f"gate {row['gate'] or '-'}  run {row['run_id']}"
+            )
+    if not lines:
+        raise registry.NotFoundError(
+            f"the registry at {_store_uri()} holds no version of {', '.join(registry.SERVING_ORDER)}: "
+            "run `make register` after `make run`"
+        )
+    if not name:
+        lines.append(registry.served_champion(client).line())
+    sys.stdout.write("\n".join(lines) + "\n")
+    return 0
+
+
 def ops(argv: list[str]) -> int:
     """Run one operations command; the exit status.
 
@@ -122,9 +236,14 @@ def ops(argv: list[str]) -> int:
             check_target,
             lineage_lines,
         )
-    if args.command == "retrain":
-        return retrain(args.env, args.force, _mlflow_client())
+    if args.command == "summary":
+        sys.stdout.write(summary(args.reporting) + "\n")
+        return 0
     try:
+        if args.command == "retrain":
+            return retrain(args.env, args.force, _mlflow_client(must_exist=False))  # a first retrain makes it
+        if args.command == "serve":
+            return serve(args, _mlflow_client())
         if args.command == "lineage":
             check_target(args.target)  # before the store is opened: a mistyped target creates no mlflow.db
             lines = lineage_lines(_mlflow_client(), args.target, Path.cwd())
@@ -132,25 +251,12 @@ def ops(argv: list[str]) -> int:
             return 0
         client = _mlflow_client()
         if args.action == "show":
-            for name in [args.name] if args.name else [registry.DIFFUSION_MODEL, registry.TEACHER_MODEL]:
-                try:
-                    rows = registry.version_summary(name, client)
-                except registry.NotFoundError:
-                    if args.name:
-                        raise
-                    continue  # the default pair: a store may hold one of them only (or none yet)
-                for row in rows:
-                    aliases = ",".join(row["aliases"]) or "-"
-                    sys.stdout.write(
-                        f"{name} v{row['version']}  aliases {aliases}  tau {row['tau']}  "
-                        f"gate {row['gate'] or '-'}  run {row['run_id']}\n"
-                    )
-            return 0
+            return show(args.name, client)
         if args.action == "promote":
             ref = registry.promote(args.name, args.version, args.reason, client)
         else:
             ref = registry.rollback(args.name, args.to, args.reason, client)
-    except (registry.NotFoundError, MalformedTargetError) as err:
+    except (registry.NotFoundError, MalformedTargetError, NoStoreError) as err:
         sys.stderr.write(f"{err}\n")
         return 1
     sys.stdout.write(f"{ref.name}@{registry.CHAMPION} -> version {ref.version}\n")

@@ -1,8 +1,11 @@
 """Model registry: versions, the `challenger`/`champion` aliases, promotion and rollback (DESIGN §9).
 
-Two registered models: ``diffusion-gr2`` (the served block-diffusion re-ranker, system ``rl``) and
-``diffusion-gr2-teacher`` (the AR teacher ``ar_rl``). Each version is an MLflow pyfunc model
-(`serving.RerankerModel`) holding the model folder, the item catalogue and the serving settings; its
+Three registered models: ``diffusion-gr2`` (the block-diffusion re-ranker, system ``rl``),
+``diffusion-gr2-teacher`` (the AR teacher ``ar_rl``) and ``diffusion-gr2-prerank`` (the retriever's
+order, the baseline registered when neither re-ranker has a champion). `served_champion` picks what
+serves: the diffusion champion, else the teacher's, else the pre-rank's, and says why. Each version
+is an MLflow pyfunc model (`serving.RerankerModel`, `serving.PrerankModel` for the pre-rank) holding
+the model folder, the item catalogue and the serving settings; its
 operating point (tau, window), decoding settings and lineage facts are version tags too, so they are
 visible in the UI and travel with the version.
 
@@ -40,18 +43,24 @@ __all__ = [
     "CHAMPION",
     "DIFFUSION_MODEL",
     "NotFoundError",
+    "PRERANK_MODEL",
+    "SERVING_ORDER",
     "TEACHER_MODEL",
+    "Served",
     "VersionRef",
     "alias_version",
     "download_version",
     "promote",
     "register_reranker",
     "rollback",
+    "served_champion",
     "version_summary",
 ]
 
 DIFFUSION_MODEL = "diffusion-gr2"
 TEACHER_MODEL = "diffusion-gr2-teacher"
+PRERANK_MODEL = "diffusion-gr2-prerank"
+SERVING_ORDER = (DIFFUSION_MODEL, TEACHER_MODEL, PRERANK_MODEL)  # best first: what `make serve` serves
 CHALLENGER, CHAMPION = "challenger", "champion"
 
 
@@ -94,7 +103,7 @@ def _serving_tags(config: ServingConfig) -> dict[str, str]:
 
 def register_reranker(
     name: str,
-    model_dir: str | Path,
+    model_dir: str | Path | None,
     items: pd.DataFrame,
     sids: pd.DataFrame,
     config: ServingConfig,
@@ -104,9 +113,16 @@ def register_reranker(
     """Log `model_dir` as a pyfunc model in the active run, register it as a new version of `name`.
 
     The new version gets the `challenger` alias, its serving settings and `tags` as version tags.
-    Without an active run a run named ``register-<name>`` is opened for it.
+    Without an active run a run named ``register-<name>`` is opened for it. A ``prerank`` system has
+    no model (`model_dir` None): it is a `PrerankModel` on the catalogue.
     """
-    from diffusion_gr2.core.tracking.serving import INPUT_EXAMPLE, SIGNATURE, RerankerModel
+    from diffusion_gr2.core.tracking.serving import (
+        INPUT_EXAMPLE,
+        PRERANK,
+        SIGNATURE,
+        PrerankModel,
+        RerankerModel,
+    )
 
     client = client or MlflowClient()
     with tempfile.TemporaryDirectory() as tmp:
@@ -116,13 +132,14 @@ def register_reranker(
         sids.to_parquet(catalogue / "sids.parquet", index=False)
         serving = Path(tmp) / "serving.json"
         serving.write_text(config.to_json())
-        artifacts = {"model": str(model_dir), "catalogue": str(catalogue), "serving": str(serving)}
+        artifacts = {"catalogue": str(catalogue), "serving": str(serving)}
+        artifacts |= {} if model_dir is None else {"model": str(model_dir)}
         own_run = mlflow.active_run() is None
         run = mlflow.start_run(run_name=f"register-{name}") if own_run else mlflow.active_run()
         try:
             info = mlflow.pyfunc.log_model(
                 name=name,
-                python_model=RerankerModel(),
+                python_model=PrerankModel() if config.system == PRERANK else RerankerModel(),
                 artifacts=artifacts,
                 signature=SIGNATURE,
                 input_example=None,
@@ -235,3 +252,51 @@ def version_summary(name: str, client: MlflowClient | None = None) -> list[dict[
             }
         )
     return sorted(rows, key=lambda r: -int(r["version"]))
+
+
+@dataclass(frozen=True)
+class Served:
+    """What `make serve` serves: a champion version (None when the registry has none) and why."""
+
+    ref: VersionRef | None
+    reason: str
+
+    def line(self) -> str:
+        if self.ref is None:
+            return f"nothing to serve: {self.reason}"
+        label = {DIFFUSION_MODEL: "the diffusion re-ranker", TEACHER_MODEL: "the AR teacher"}.get(
+            self.ref.name, "the retriever's order (pre-rank)"
+        )
+        return f"serving {self.ref.name} v{self.ref.version} ({label}): {self.reason}"
+
+
+def _why_not(name: str, client: MlflowClient) -> str:
+    """Why `name` has no champion: not registered, or its newest version's gate decision."""
+    try:
+        registered_model(client, name)
+    except NotFoundError:
+        return f"{name} has no version"
+    newest = max(
+        client.search_model_versions(f"name = '{name}'"), key=lambda mv: int(mv.version), default=None
+    )
+    if newest is None:
+        return f"{name} has no version"
+    decision = newest.tags.get("gate.decision")
+    if decision is None:
+        return f"{name} has no champion (v{newest.version} not gated)"
+    reasons = newest.tags.get("gate.reasons", "")
+    return f"{name} has no champion (v{newest.version}: gate {decision}: {reasons[:300]})"
+
+
+def served_champion(client: MlflowClient | None = None) -> Served:
+    """The best champion there is (`SERVING_ORDER`): the diffusion model, else the teacher, else the
+    pre-rank; the reason names why each better one is not served. ``ref`` None: no champion at all."""
+    client = client or MlflowClient()
+    skipped = []
+    for name in SERVING_ORDER:
+        ref = alias_version(name, CHAMPION, client)
+        if ref is not None:
+            why = "its champion" if not skipped else "; ".join(skipped)
+            return Served(ref, why)
+        skipped.append(_why_not(name, client))
+    return Served(None, "; ".join(skipped) + " (run `make register` after `make run`)")

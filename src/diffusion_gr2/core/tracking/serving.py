@@ -10,7 +10,9 @@ grammar accepts, `rerank.own_validity`, the figure inference reports) is given b
 call asks for it (the MLflow param `own_valid`; a diffusion model then decodes twice).
 
 `RerankerModel` wraps a `Ranker` as an MLflow pyfunc model; `mlflow models serve` then answers
-``POST /invocations``. A malformed request raises `RequestError` (an `MlflowException` with
+``POST /invocations``. `PrerankModel` is the baseline served when no re-ranker has passed the gate:
+the retriever's order (the candidates as sent), validated the same way and answered in the same
+format, labelled ``system: prerank``. A malformed request raises `RequestError` (an `MlflowException` with
 INVALID_PARAMETER_VALUE), which the scoring server returns as HTTP 400 with the reason.
 """
 
@@ -50,7 +52,10 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "SIGNATURE",
+    "PRERANK",
     "Limits",
+    "PrerankModel",
+    "PrerankRanker",
     "Ranker",
     "RequestError",
     "RerankerModel",
@@ -59,6 +64,7 @@ __all__ = [
 ]
 
 REQUEST_FIELDS = ("history", "candidates")  # required; `request_id` is optional
+PRERANK = "prerank"  # ServingConfig.system of the retriever's order (no model)
 
 
 @dataclass(frozen=True)
@@ -80,7 +86,7 @@ class Limits:
 class ServingConfig:
     """How a registered version serves: its system, operating point and decoding settings."""
 
-    system: str  # "rl" (diffusion) or "ar_rl" (the AR teacher)
+    system: str  # "rl" (diffusion), "ar_rl" (the AR teacher) or "prerank" (the retriever's order)
     tau: float | None  # commit threshold; None for an AR system
     window: int | None = None  # decoding window of the operating point (None = whole block)
     decoding: dict[str, Any] = field(default_factory=dict)  # RerankConfig fields
@@ -266,6 +272,47 @@ class Ranker:
         return answers
 
 
+class PrerankRanker:
+    """The retriever's order as a service: each request's candidates, as sent, validated like `Ranker`'s.
+
+    The safe baseline a team can serve on day one (every model must beat it at the gate anyway).
+    """
+
+    def __init__(self, items: pd.DataFrame, config: ServingConfig):
+        self.config = config
+        self.limits = Limits(**config.limits)
+        self.known = {str(r): int(i) for r, i in zip(items["raw_item_id"], items["item_id"], strict=True)}
+        self.raw_of = {i: r for r, i in self.known.items()}
+
+    parse = Ranker.parse  # the same validation: a malformed request is a 400 here too
+
+    def rank(
+        self, requests: Sequence[Request], batch_size: int | None = None, own_valid: bool = False
+    ) -> list[dict[str, Any]]:
+        """One answer per request in `Ranker.rank`'s format: the candidates in the order sent."""
+        start = time.perf_counter()
+        rankings = [[self.raw_of[c] for c in r.candidates] for r in requests]
+        latency_ms = 1000.0 * (time.perf_counter() - start)
+        return [
+            {
+                "request_id": req.request_id,
+                "ranking": ranking,
+                "explanation": "the retriever's order (pre-rank): no re-ranker has passed the gate",
+                "valid": True,
+                "unforced": True,  # no grammar wrote it
+                "reason": "",
+                "system": PRERANK,
+                "tau": None,
+                "window": None,
+                "output_tokens": 0,
+                "nfe": 0,
+                "unknown_history": req.unknown_history,
+                "latency_ms": round(latency_ms, 2),
+            }
+            for req, ranking in zip(requests, rankings, strict=True)
+        ]
+
+
 _IDS = Array(DataType.string)
 # Every input column is optional in the schema so that a missing field reaches `parse_request` and
 # gets a reason naming it (the schema's own refusal of a missing column would not say which request).
@@ -324,3 +371,16 @@ class RerankerModel(mlflow.pyfunc.PythonModel):
         own_valid = bool((params or {}).get("own_valid", False))
         answers = self.ranker.rank(self.ranker.parse(_records(model_input)), own_valid=own_valid)
         return pd.DataFrame(answers)
+
+
+class PrerankModel(mlflow.pyfunc.PythonModel):
+    """The served pre-rank: artifacts `catalogue` (folder) and `serving` (JSON); no model weights."""
+
+    def load_context(self, context):  # noqa: ANN001 (no hints: MLflow reads them as a schema)
+        artifacts = context.artifacts
+        config = ServingConfig.from_json(Path(artifacts["serving"]).read_text())
+        items = pd.read_parquet(Path(artifacts["catalogue"]) / "items.parquet")
+        self.ranker = PrerankRanker(items, config)
+
+    def predict(self, context, model_input, params=None):  # noqa: ANN001 (see load_context)
+        return pd.DataFrame(self.ranker.rank(self.ranker.parse(_records(model_input))))

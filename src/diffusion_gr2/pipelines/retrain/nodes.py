@@ -9,22 +9,14 @@ from typing import Any
 
 import mlflow
 import pandas as pd
-from mlflow import MlflowClient
 
 from diffusion_gr2.core.tracking import registry
-from diffusion_gr2.core.tracking.gate import (
-    GateConfig,
-    decide,
-    newest_slice,
-    prerank_score,
-    score,
-    servable,
-    speeds,
-)
+from diffusion_gr2.core.tracking.gate import GateConfig, newest_slice
 from diffusion_gr2.core.tracking.ingest import IngestConfig, acquire_lock, ingest, release_lock
 from diffusion_gr2.core.tracking.lineage import DigestCache
 from diffusion_gr2.core.tracking.mlflow_utils import as_metrics_history
-from diffusion_gr2.core.tracking.serving import Ranker, ServingConfig
+from diffusion_gr2.core.tracking.promotion import gate_and_promote
+from diffusion_gr2.core.tracking.serving import PRERANK, Ranker, ServingConfig
 
 logger = logging.getLogger(__name__)
 
@@ -113,24 +105,29 @@ def register_models(
     traces: dict[str, Any],
     inference: dict[str, Any],
 ) -> dict[str, str | None]:
-    """Register `rl` as a new `diffusion-gr2` version and `ar_rl` as `diffusion-gr2-teacher`, both challenger.
+    """Register `ar_rl` as a new `diffusion-gr2-teacher` version, `rl` as `diffusion-gr2` and the
+    pre-rank (this run's catalogue) as `diffusion-gr2-prerank`, each its model's challenger.
 
     The model objects only order the node after training; the saved folders are what is registered.
-    When `rl` has no operating point nothing is registered (a model validation refused never becomes
-    a challenger): the versions are None and `not_registered` says why; the gate reports it.
+    When `rl` has no operating point it is not registered (a model validation refused never becomes
+    a challenger): its version is None and `not_registered` says why; the teacher still is, and goes
+    through its own gate (`core/tracking/promotion.py`).
     """
-    try:
-        configs = {s: _serving(s, operating_point, params, traces, inference) for s in ("ar_rl", "rl")}
-    except NoOperatingPoint as err:
-        reason = (
-            f"rl not registered: {err} (set retrain.register_without_operating_point to register it "
-            f"at the fallback tau {params['fallback_tau']}, tagged as such)"
-        )
-        logger.warning("%s", reason)
-        return {"ar_rl": None, "rl": None, "not_registered": reason}
+    configs, not_registered = {}, None
+    for system in ("ar_rl", "rl"):
+        try:
+            configs[system] = _serving(system, operating_point, params, traces, inference)
+        except NoOperatingPoint as err:
+            not_registered = (
+                f"rl not registered: {err} (set retrain.register_without_operating_point to register it "
+                f"at the fallback tau {params['fallback_tau']}, tagged as such)"
+            )
+            logger.warning("%s", not_registered)
     digests, run = DigestCache(), mlflow.active_run()
-    refs = {}
+    refs: dict[str, str | None] = {"rl": None}
     for system, name in (("ar_rl", registry.TEACHER_MODEL), ("rl", registry.DIFFUSION_MODEL)):
+        if system not in configs:
+            continue
         folder = Path(params["model_dirs"][system])
         config, source = configs[system]
         tags = {
@@ -143,7 +140,12 @@ def register_models(
         if system == "rl":
             tags["teacher_version"] = refs["ar_rl"]
         refs[system] = registry.register_reranker(name, folder, items, sids, config, tags).version
-    return refs
+    prerank = ServingConfig(system=PRERANK, tau=None, limits=dict(params.get("limits") or {}))
+    run_tag = {"lineage.model.run_id": run.info.run_id if run else ""}
+    refs["prerank"] = registry.register_reranker(
+        registry.PRERANK_MODEL, None, items, sids, prerank, run_tag
+    ).version
+    return refs | ({"not_registered": not_registered} if not_registered else {})
 
 
 def gate_requests(
@@ -157,68 +159,24 @@ def _ranker(uri: str) -> Ranker:
     return mlflow.pyfunc.load_model(uri).unwrap_python_model().ranker
 
 
-def _not_registered(versions: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
-    """The gate's report when training produced no registrable challenger (no promotion, lock freed)."""
-    result = {
-        "decision": "not_registered",
-        "reasons": versions["not_registered"],
-        "decided_by": ["operating_point"],
-        "checks": [],
-        "numbers": {},
-        "challenger_version": None,
-        "teacher_version": None,
-        "champion_version": None,
-    }
-    if mlflow.active_run() is not None:
-        mlflow.set_tags({"gate.decision": result["decision"], "gate.reasons": result["reasons"][:5000]})
-    logger.warning("gate: nothing registered (%s)", result["reasons"])
-    release_lock(params["lock_file"])
-    return {"gate_report": result, "gate_metrics": as_metrics_history({})}
-
-
 def run_gate(versions: dict[str, Any], requests: pd.DataFrame, params: dict[str, Any]) -> dict[str, Any]:
-    """Challenger vs champion, teacher and pre-rank on the same requests; promote or refuse; log it."""
-    if versions.get("rl") is None:
-        return _not_registered(versions, params)
-    config, client = GateConfig(**params["gate"]), MlflowClient()
-    challenger = _ranker(f"models:/{registry.DIFFUSION_MODEL}/{versions['rl']}")
-    teacher = _ranker(f"models:/{registry.TEACHER_MODEL}/{versions['ar_rl']}")
-    champion_ref = registry.alias_version(registry.DIFFUSION_MODEL, registry.CHAMPION, client)
-    champion = _ranker(champion_ref.uri) if champion_ref and champion_ref.version != versions["rl"] else None
-    same = servable(requests, [r for r in (challenger, champion, teacher) if r is not None])
-    if same.empty:
-        raise ValueError("the gate has no request every compared model can serve")
-    compared = {"challenger": challenger, "teacher": teacher} | ({"champion": champion} if champion else {})
-    rates = speeds(compared, same, config)
-    scores = {name: score(r, same) | {"output_tokens_per_s": rates[name]} for name, r in compared.items()}
-    users = same["user"].tolist() if "user" in same else None
-    result = decide(
-        scores["challenger"], scores.get("champion"), scores["teacher"], prerank_score(same), config, users
-    )
-    result |= {
-        "challenger_version": versions["rl"],
-        "teacher_version": versions["ar_rl"],
-        "champion_version": champion_ref.version if champion_ref else None,
-    }
-    if result["decision"] == "promote":
-        registry.promote(registry.DIFFUSION_MODEL, versions["rl"], result["reasons"], client)
-        registry.promote(
-            registry.TEACHER_MODEL,
-            versions["ar_rl"],
-            f"teacher of {registry.DIFFUSION_MODEL} v{versions['rl']}",
-            client,
-        )
-    for key, value in {
-        "gate.decision": result["decision"],
-        "gate.reasons": result["reasons"][:5000],
-        "gate.decided_by": ",".join(result["decided_by"]),
-        **{f"gate.{k.replace('@', '_at_')}": v for k, v in result["numbers"].items()},
-    }.items():
-        client.set_model_version_tag(registry.DIFFUSION_MODEL, versions["rl"], key, str(value))
-    if mlflow.active_run() is not None:
-        mlflow.set_tags({"gate.decision": result["decision"], "gate.challenger_version": versions["rl"]})
-    logger.info("gate: %s (%s)", result["decision"], result["reasons"])
-    release_lock(params["lock_file"])
+    """Gate the new versions, promote what passes, else the pre-rank (`promotion.gate_and_promote`); log it.
+
+    The retrain lock is released however the gate ends.
+    """
+    try:
+        result = gate_and_promote(versions, requests, GateConfig(**params["gate"]), _ranker)
+        if mlflow.active_run() is not None:
+            mlflow.set_tags(
+                {
+                    "gate.decision": result["decision"],
+                    "gate.reasons": result["reasons"][:5000],
+                    "gate.challenger_version": str(result["challenger_version"]),
+                    "gate.teacher_decision": result["teacher_gate"]["decision"],
+                }
+            )
+    finally:
+        release_lock(params["lock_file"])
     return {
         "gate_report": result,
         "gate_metrics": as_metrics_history({k: v for k, v in result["numbers"].items() if v is not None}),

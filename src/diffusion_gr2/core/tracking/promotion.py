@@ -1,0 +1,123 @@
+"""Gate and promote what one registration produced, so that something always serves (DESIGN §9).
+
+A registration holds up to three new versions: the diffusion re-ranker (`rl`, only when it has an
+operating point), the AR teacher (`ar_rl`, always) and the pre-rank (the retriever's order on this
+run's catalogue). Each re-ranker goes through the checks that apply to it (`gate.decide`,
+`gate.decide_teacher`) on the same newest requests; a passing one becomes its model's champion. When
+afterwards neither re-ranker has a champion, the pre-rank version does: `make serve` then answers
+with the retriever's order, labelled as such (`registry.served_champion`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import pandas as pd
+from mlflow import MlflowClient
+
+from diffusion_gr2.core.tracking import registry
+from diffusion_gr2.core.tracking.gate import (
+    GateConfig,
+    decide,
+    decide_teacher,
+    prerank_score,
+    score,
+    servable,
+    speeds,
+)
+from diffusion_gr2.core.tracking.serving import Ranker
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["gate_and_promote"]
+
+
+def _tag(client: MlflowClient, name: str, version: str, report: dict[str, Any]) -> None:
+    """The gate's decision and figures as version tags (the UI and `registry show` read them)."""
+    tags = {
+        "gate.decision": report["decision"],
+        "gate.reasons": report["reasons"][:5000],
+        "gate.decided_by": ",".join(report["decided_by"]),
+        **{f"gate.{k.replace('@', '_at_')}": v for k, v in report["numbers"].items()},
+    }
+    for key, value in tags.items():
+        client.set_model_version_tag(name, version, key, str(value))
+
+
+def _not_registered(reason: str) -> dict[str, Any]:
+    """The diffusion side's report when training produced no registrable challenger."""
+    return {"decision": "not_registered", "reasons": reason, "decided_by": ["operating_point"]} | {
+        "checks": [],
+        "numbers": {},
+    }
+
+
+def _champion(name: str, new: str | None, client: MlflowClient) -> registry.VersionRef | None:
+    """The current champion of `name` unless it is the version just registered."""
+    ref = registry.alias_version(name, registry.CHAMPION, client)
+    return ref if ref is not None and ref.version != new else None
+
+
+def gate_and_promote(
+    versions: Mapping[str, Any],
+    requests: pd.DataFrame,
+    config: GateConfig,
+    load: Callable[[str], Ranker],
+    client: MlflowClient | None = None,
+) -> dict[str, Any]:
+    """Gate the new versions (`versions`: ``rl``, ``ar_rl``, ``prerank`` version numbers, None when not
+    registered, and ``not_registered``: why `rl` is not), promote what passes, fall back to the pre-rank.
+
+    The report is the diffusion model's gate (``decision``: promote, refuse or not_registered, with
+    ``checks`` and ``numbers``), the teacher's under ``teacher_gate``, and ``serving``: the one line
+    saying what serves now and why. `load` turns a model URI into its `Ranker`.
+    """
+    client = client or MlflowClient()
+    names = {"rl": registry.DIFFUSION_MODEL, "ar_rl": registry.TEACHER_MODEL}
+    new = {s: versions.get(s) for s in names}
+    # the new versions, and each model's champion it is compared with
+    rankers = {s: load(f"models:/{names[s]}/{v}") for s, v in new.items() if v is not None}
+    # a diffusion champion matters only against a diffusion challenger
+    champions = {s: _champion(names[s], new[s], client) if new[s] else None for s in names}
+    rankers |= {f"{s}_champion": load(ref.uri) for s, ref in champions.items() if ref is not None}
+    same = servable(requests, list(rankers.values()))
+    if same.empty:
+        raise ValueError("the gate has no request every compared model can serve")
+    users = same["user"].tolist() if "user" in same else None
+    prerank = prerank_score(same)
+    scores = {key: score(ranker, same) for key, ranker in rankers.items()}
+    if new["ar_rl"] is None:
+        raise ValueError("no teacher version to gate: register_models registers the teacher every time")
+    teacher_report = decide_teacher(scores["ar_rl"], scores.get("ar_rl_champion"), prerank, config, users)
+    if new["rl"] is None:
+        report = _not_registered(versions.get("not_registered") or "rl not registered")
+    else:
+        timed = {"challenger": "rl", "teacher": "ar_rl"} | (
+            {"champion": "rl_champion"} if "rl_champion" in rankers else {}
+        )
+        rates = speeds({role: rankers[key] for role, key in timed.items()}, same, config)
+        sides = {role: scores[key] | {"output_tokens_per_s": rates[role]} for role, key in timed.items()}
+        report = decide(sides["challenger"], sides.get("champion"), sides["teacher"], prerank, config, users)
+        _tag(client, names["rl"], new["rl"], report)
+        if report["decision"] == "promote":
+            registry.promote(names["rl"], new["rl"], report["reasons"], client)
+    _tag(client, names["ar_rl"], new["ar_rl"], teacher_report)
+    if teacher_report["decision"] == "promote":
+        registry.promote(names["ar_rl"], new["ar_rl"], f"teacher gate: {teacher_report['reasons']}", client)
+    reranker_serves = any(registry.alias_version(n, registry.CHAMPION, client) for n in names.values())
+    if not reranker_serves and versions.get("prerank") is not None:
+        reason = "no re-ranker has passed the gate: the retriever's order serves"
+        registry.promote(registry.PRERANK_MODEL, versions["prerank"], reason, client)
+    served = registry.served_champion(client)
+    logger.info("gate: rl %s, teacher %s; %s", report["decision"], teacher_report["decision"], served.line())
+    return report | {
+        "challenger_version": new["rl"],
+        "teacher_version": new["ar_rl"],
+        "prerank_version": versions.get("prerank"),
+        "champion_version": champions["rl"].version if champions["rl"] else None,
+        "teacher_gate": teacher_report
+        | {"champion_version": champions["ar_rl"].version if champions["ar_rl"] else None},
+        "serving": served.line(),
+    }
