@@ -19,7 +19,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from diffusion_gr2.core.data.raw import ReadConfig, Rejects, iter_lines
+import pandas as pd
+
+from diffusion_gr2.core.data.raw import RAW_INTERACTION_COLUMNS, ReadConfig, Rejects, iter_lines
 from diffusion_gr2.core.data.readers import classify_file, detect_format, has_data_files, read_raw
 from diffusion_gr2.core.data.recbole import EMBEDDED_DATASET, embedded_ml100k_folder
 from diffusion_gr2.core.io import atomic_write_text
@@ -27,7 +29,15 @@ from diffusion_gr2.core.tracking.lineage import file_md5
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["IngestConfig", "RetrainLockedError", "acquire_lock", "ingest", "release_lock"]
+__all__ = [
+    "IngestConfig",
+    "RetrainLockedError",
+    "acquire_lock",
+    "ingest",
+    "pending_delivery",
+    "read_interactions",
+    "release_lock",
+]
 
 
 @dataclass(frozen=True)
@@ -103,6 +113,33 @@ def ingest(config: IngestConfig, dry_run: bool = False) -> dict[str, Any]:
     `dry_run` judges every file the same way but moves, writes and quarantines nothing (what a
     retrain would take in; `python -m diffusion_gr2 retrain` skips training when it is nothing).
     """
+    return _take_in(config, dry_run)[0]
+
+
+def read_interactions(files: list[Path]) -> pd.DataFrame:
+    """The interactions of `files` (raw files of one format) read together by the project's reader."""
+    with tempfile.TemporaryDirectory() as tmp:
+        for path in files:
+            os.symlink(Path(path).resolve(), Path(tmp) / Path(path).name)
+        return read_raw(tmp, ReadConfig(max_reject_share=1.0)).interactions
+
+
+def pending_delivery(config: IngestConfig) -> tuple[dict[str, Any], pd.DataFrame]:
+    """(the dry run's ingest report, the rows a retrain would merge now, parsed): nothing moves.
+
+    The rows are read as the merged files will be (the same names, the same reader).
+    """
+    report, merged = _take_in(config, dry_run=True)
+    if not merged:
+        return report, pd.DataFrame(columns=RAW_INTERACTION_COLUMNS)
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, body in merged.items():
+            Path(tmp, name).write_text(body)
+        return report, read_interactions(sorted(Path(tmp).iterdir()))
+
+
+def _take_in(config: IngestConfig, dry_run: bool) -> tuple[dict[str, Any], dict[str, str]]:
+    """The ingest report and the merged files' text by name (written unless `dry_run`)."""
     incoming = Path(config.incoming_dir)
     folder = _raw_folder(config)
     detected = detect_format(folder)
@@ -116,6 +153,7 @@ def ingest(config: IngestConfig, dry_run: bool = False) -> dict[str, Any]:
         else []
     )
     report: dict[str, Any] = {"raw_folder": str(folder), "format": detected.format, "files": []}
+    merged: dict[str, str] = {}
     for path in files:
         digest = file_md5(path)
         rows, reason = _validate(path, detected.format, config)
@@ -128,9 +166,11 @@ def ingest(config: IngestConfig, dry_run: bool = False) -> dict[str, Any]:
             continue
         header, lines = _data_lines(path, has_header)
         new = list(dict.fromkeys(line for line in lines if line not in known))
-        if new and not dry_run:
-            body = ([header] if header is not None else []) + new
-            atomic_write_text(folder / _merged_name(path, digest), "\n".join(body) + "\n")
+        if new:
+            body = "\n".join(([header] if header is not None else []) + new) + "\n"
+            merged[_merged_name(path, digest)] = body
+            if not dry_run:
+                atomic_write_text(folder / _merged_name(path, digest), body)
         known.update(new)
         if not dry_run:
             done = incoming / "done"
@@ -146,7 +186,7 @@ def ingest(config: IngestConfig, dry_run: bool = False) -> dict[str, Any]:
     report["raw_md5"] = hashlib.md5(
         "".join(file_md5(p) for p in sorted(folder.iterdir()) if p.is_file()).encode()
     ).hexdigest()
-    return report
+    return report, merged
 
 
 class RetrainLockedError(RuntimeError):

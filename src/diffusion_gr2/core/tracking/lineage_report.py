@@ -36,6 +36,7 @@ __all__ = [
     "MalformedTargetError",
     "check_target",
     "lineage_lines",
+    "raw_inputs",
     "resolve_target",
 ]
 
@@ -287,3 +288,32 @@ def lineage_lines(client: MlflowClient, target: str, root: Path | None = None) -
             f"no input was edited outside the pipeline; {later}" if later else "every hash matches the disk"
         )
     return lines
+
+
+def raw_inputs(client: MlflowClient, name: str, version: str) -> dict[str, dict[str, Any]]:
+    """The raw files a registered version was trained on (``raw/<file> -> {path, digest}``), as recorded.
+
+    Walks the node records back from the version's model folder as `lineage` does, without printing,
+    and keeps the inputs named ``raw/...`` (what `data_prep` read). Empty when the version carries no
+    lineage tags or its runs no node records (a version registered outside a Kedro run).
+    """
+    tags = model_version(client, name, version).tags
+    digest = tags.get("lineage.model.digest")
+    if not digest:
+        return {}
+    lineage = Lineage(client, Path.cwd())
+    queue = [(tags.get("lineage.model.name", "model"), digest, tags.get("lineage.model.run_id"))]
+    seen: set[tuple[str, str]] = set()
+    found: dict[str, dict[str, Any]] = {}
+    while queue:
+        artifact, artifact_digest, run_id = queue.pop()
+        producer = lineage.producer(artifact, artifact_digest, run_id)
+        if producer is None or (producer[0], producer[1]["node"]) in seen:
+            continue
+        seen.add((producer[0], producer[1]["node"]))
+        for child, entry in producer[1]["inputs"].items():
+            if child.startswith("raw/"):
+                found[child] = {"path": entry.get("path"), "digest": entry.get("digest")}
+            elif entry.get("digest"):
+                queue.append((child, entry["digest"], producer[0]))
+    return dict(sorted(found.items()))

@@ -9,6 +9,10 @@ is an input on its lineage record and stays as it was), and nothing is trained o
 `python -m diffusion_gr2 retrain` asks before it opens a Kedro session; the retrain pipeline's first
 node (`decide_retrain`) asks again, so a plain ``kedro run --pipelines retrain`` and the Airflow DAG
 (its first task, then every other task skipped) stop on the same answer.
+
+Each delivery is also compared with the champion's training window (`core.tracking.drift`); the
+summary joins the reason. Fewer new rows than ``min_new_rows`` wait in the incoming folder for more,
+unless strong drift forces a retrain (``drift.force_retrain``); ``trigger`` says which rule decided.
 """
 
 from __future__ import annotations
@@ -17,16 +21,36 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+import pandas as pd
 from mlflow import MlflowClient
 
+from diffusion_gr2.core.data.readers import classify_file, detect_format
 from diffusion_gr2.core.io import atomic_write_text
 from diffusion_gr2.core.tracking import registry
-from diffusion_gr2.core.tracking.ingest import IngestConfig, acquire_lock, ingest, release_lock
+from diffusion_gr2.core.tracking.drift import DriftConfig, drift_report
+from diffusion_gr2.core.tracking.ingest import (
+    IngestConfig,
+    acquire_lock,
+    ingest,
+    pending_delivery,
+    read_interactions,
+    release_lock,
+)
+from diffusion_gr2.core.tracking.lineage import file_md5
+from diffusion_gr2.core.tracking.lineage_report import raw_inputs
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["NO_RETRAIN_REPORT", "NothingToRetrain", "RetrainDecision", "decide_retrain"]
+__all__ = [
+    "NO_RETRAIN_REPORT",
+    "NothingToRetrain",
+    "RetrainDecision",
+    "decide_from_params",
+    "decide_retrain",
+    "delivery_drift",
+]
 
 NO_RETRAIN_REPORT = "data/08_reporting/retrain/ingest_without_retrain.json"
 
@@ -44,6 +68,64 @@ class RetrainDecision:
     new_rows: int  # rows of the incoming files the raw folder does not hold
     champion_version: str | None  # the served `diffusion-gr2` version, if any
     forced: bool
+    # the rule that decided: forced | no_champion | new_rows | drift (strong drift below the
+    # minimum) | waiting (new rows below the minimum, left in incoming/) | nothing_new
+    trigger: str
+    drift: dict[str, Any] | None  # the drift report (`core.tracking.drift`); None: off or nothing new
+
+
+def _reference_files(raw_folder: Path, client: MlflowClient, champion: str | None) -> tuple[list[Path], str]:
+    """The interaction files of the champion's training window, and where that window came from.
+
+    The champion's lineage names the raw files `data_prep` read; each that still holds its recorded
+    hash is the reference. Without such a record (no champion, or registered outside a Kedro run)
+    the raw folder as it is now, before this delivery is merged, stands in, and the source says so.
+    """
+    recorded = raw_inputs(client, registry.DIFFUSION_MODEL, champion) if champion else {}
+    held = [
+        Path(entry["path"])
+        for name, entry in recorded.items()
+        if (kind := classify_file(name.removeprefix("raw/")))
+        and kind[1] == "inter"
+        and entry.get("path")
+        and Path(entry["path"]).is_file()
+        and file_md5(Path(entry["path"])) == entry["digest"]
+    ]
+    if held:
+        return (
+            held,
+            f"{registry.DIFFUSION_MODEL} v{champion}'s training window ({len(held)} raw files, hashes as recorded)",
+        )
+    why = f"v{champion} has no raw files on record that still hold their hash" if champion else "no champion"
+    files = detect_format(raw_folder).interaction_files
+    return files, f"the raw folder before this delivery ({why})"
+
+
+def delivery_drift(
+    config: IngestConfig, drift: DriftConfig, client: MlflowClient, champion: str | None
+) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """(the dry run's ingest report, the drift report of the rows it would merge, None when none)."""
+    pending, delivery = pending_delivery(config)
+    if delivery.empty or not drift.enabled:
+        return pending, None
+    files, source = _reference_files(Path(pending["raw_folder"]), client, champion)
+    reference: pd.DataFrame = read_interactions(files)
+    report = drift_report(reference, delivery, drift)
+    report["reference"] |= {"source": source, "files": [p.name for p in files]}
+    report["delivery"]["files"] = [f["file"] for f in pending["files"] if f.get("new_rows")]
+    return pending, report
+
+
+def decide_from_params(params: dict[str, Any], force: bool, client: MlflowClient) -> RetrainDecision:
+    """`decide_retrain` on the ``retrain`` parameters (the CLI and the pipeline's node read the same)."""
+    return decide_retrain(
+        IngestConfig(**params["ingest"]),
+        params["lock_file"],
+        force or bool(params.get("force", False)),
+        client,
+        drift=DriftConfig(**params["drift"]),
+        min_new_rows=int(params["min_new_rows"]),
+    )
 
 
 def decide_retrain(
@@ -52,24 +134,46 @@ def decide_retrain(
     force: bool,
     client: MlflowClient,
     report_file: str | Path = NO_RETRAIN_REPORT,
+    drift: DriftConfig | None = None,
+    min_new_rows: int = 1,
 ) -> RetrainDecision:
     """Retrain on new rows, with no champion, or when `force`; else take the files in and say why not.
 
-    Deciding to retrain moves nothing (a dry run): the pipeline's own ingest takes the files in.
+    Deciding to retrain moves nothing (a dry run): the pipeline's own ingest takes the files in. With
+    `drift`, the delivery is compared with the champion's training window; under `min_new_rows` new
+    rows the files wait in the incoming folder unless strong drift forces a retrain.
     """
-    pending = ingest(config, dry_run=True)
     champion = registry.alias_version(registry.DIFFUSION_MODEL, registry.CHAMPION, client)
     version = champion.version if champion else None
+    if drift is not None:
+        pending, report = delivery_drift(config, drift, client, version)
+    else:
+        pending, report = ingest(config, dry_run=True), None
     new_rows = int(pending["new_rows"])
-    reasons = [
-        ("forced", force),
-        (f"{new_rows} new rows in {config.incoming_dir}", new_rows > 0),
-        ("no champion serves yet", champion is None),  # a first retrain: the full recipe
+    strong = bool(report and report["strong"] and drift is not None and drift.force_retrain)
+    floor = max(min_new_rows, 1)
+    rules = [
+        ("forced", "forced", force),
+        ("no_champion", "no champion serves yet", champion is None),  # a first retrain: the full recipe
+        ("new_rows", f"{new_rows} new rows in {config.incoming_dir}", new_rows >= floor),
+        (
+            "drift",
+            f"strong drift forces a retrain on {new_rows} new rows (< min_new_rows {floor})",
+            new_rows > 0 and strong,
+        ),
     ]
-    reason = next((text for text, holds in reasons if holds), None)
-    if reason is not None:
-        logger.info("retrain: %s", reason)
-        return RetrainDecision(True, reason, new_rows, version, force)
+    trigger, reason = next(((t, text) for t, text, holds in rules if holds), (None, ""))
+    drift_note = f"; drift: {report['summary']}" if report else ""
+    if trigger is not None:
+        logger.info("retrain: %s%s", reason, drift_note)
+        return RetrainDecision(True, reason + drift_note, new_rows, version, force, trigger, report)
+    if new_rows > 0:  # below the minimum: the files stay where they are and count with the next ones
+        reason = (
+            f"{new_rows} new rows in {config.incoming_dir} < min_new_rows {floor}: they wait there for "
+            f"more, {registry.DIFFUSION_MODEL} v{version} stays champion{drift_note}"
+        )
+        logger.info("%s", reason)
+        return RetrainDecision(False, reason, new_rows, version, False, "waiting", report)
     acquire_lock(lock_file)
     try:
         report = ingest(config)
@@ -82,4 +186,4 @@ def decide_retrain(
         f"{registry.DIFFUSION_MODEL} v{version} stays champion"
     )
     logger.info("%s", reason)
-    return RetrainDecision(False, reason, 0, version, False)
+    return RetrainDecision(False, reason, 0, version, False, "nothing_new", None)

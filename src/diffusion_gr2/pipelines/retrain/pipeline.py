@@ -141,7 +141,11 @@ def _ingest() -> Pipeline:
             Node(
                 after_decision(take_in_incoming),
                 ["params:retrain", DECISION],
-                "ingest_report",
+                {
+                    "ingest_report": "ingest_report",
+                    "drift_report": "drift_report",
+                    "drift_html": "drift_html",
+                },
                 name="take_in_incoming",
             ),
         ]
