@@ -68,6 +68,8 @@ def _parser() -> argparse.ArgumentParser:
     actions = registry.add_subparsers(dest="action", required=True)
     show = actions.add_parser("show", help="versions, aliases, tau and gate decision")
     show.add_argument("name", nargs="?", default=None)
+    show.add_argument("--card", nargs="?", const="champion", default=None, metavar="VERSION_OR_ALIAS",
+                      help="print the model card of a version of NAME (default diffusion-gr2 @champion)")  # fmt: skip
     promote = actions.add_parser("promote", help="point champion at a version")
     promote.add_argument("name")
     promote.add_argument("version")
@@ -249,6 +251,11 @@ def ops(argv: list[str]) -> int:
             sys.stdout.write("\n".join(lines) + "\n")
             return 0
         client = _mlflow_client()
+        if args.action == "show" and args.card:
+            from diffusion_gr2.core.tracking.model_card import read_card
+
+            sys.stdout.write(read_card(args.name or registry.DIFFUSION_MODEL, args.card, client))
+            return 0
         if args.action == "show":
             return show(args.name, client)
         if args.action == "promote":

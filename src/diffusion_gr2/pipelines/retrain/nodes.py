@@ -10,7 +10,7 @@ from typing import Any
 import mlflow
 import pandas as pd
 
-from diffusion_gr2.core.tracking import registry
+from diffusion_gr2.core.tracking import model_card, registry
 from diffusion_gr2.core.tracking.gate import GateConfig, newest_slice
 from diffusion_gr2.core.tracking.ingest import IngestConfig, acquire_lock, ingest, release_lock
 from diffusion_gr2.core.tracking.lineage import DigestCache
@@ -175,6 +175,7 @@ def run_gate(versions: dict[str, Any], requests: pd.DataFrame, params: dict[str,
                     "gate.teacher_decision": result["teacher_gate"]["decision"],
                 }
             )
+        model_card.publish_cards(result)  # a card per gated version, from what the run recorded
     finally:
         release_lock(params["lock_file"])
     return {
