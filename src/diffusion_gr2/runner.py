@@ -16,7 +16,11 @@
 
 So every dataset save, model folder, MLflow run, artifact, lineage record and registry call happens on
 rank 0 (kedro-mlflow's hooks are not even registered on the other ranks: ``settings.py``). A failure
-on rank 0 outside training is sent to the ranks waiting for it, which fail naming it; a rank that dies
+on rank 0 outside training (in a node's task, or after it: loading or sending the outputs the others
+need) is sent to the ranks waiting for it, which fail naming the node and rank 0's host. They wait for
+rank 0 at most ``DIFFUSION_GR2_RANK0_WAIT_S`` (default: the collective timeout,
+``DIFFUSION_GR2_COLLECTIVE_TIMEOUT_S``, 30 min; raise it when rank 0's data preparation or evaluation
+takes longer); a rank that dies
 during training breaks the collectives of the others, and the launcher (torch elastic) stops them all
 and names the rank and host that failed first.
 """
@@ -37,6 +41,15 @@ logger = logging.getLogger(__name__)
 
 ALL_RANKS = "all_ranks"  # the node tag: run on every process of a launch
 WAIT_TIMEOUT_ENV = "DIFFUSION_GR2_RANK0_WAIT_S"  # how long the other ranks wait for rank 0's nodes
+
+
+def rank0_wait() -> timedelta:
+    """How long the other ranks wait for rank 0's nodes: ``DIFFUSION_GR2_RANK0_WAIT_S``, by default the
+    collective timeout (a rank 0 that hangs fails the launch as soon as a hung collective would)."""
+    from diffusion_gr2.core.train.loop import collective_timeout
+
+    value = os.environ.get(WAIT_TIMEOUT_ENV)
+    return collective_timeout() if value is None else timedelta(seconds=float(value))
 
 
 def launch_rank() -> int:
@@ -96,10 +109,8 @@ class RankAwareRunner(SequentialRunner):
                 f"WORLD_SIZE={launch_size()} but no process group: launch with "
                 "`accelerate launch -m diffusion_gr2 run ...` (docs/distributed.md)"
             )
-        wait = timedelta(seconds=float(os.environ.get(WAIT_TIMEOUT_ENV, str(24 * 3600))))
-        # Waiting for rank 0's data preparation or inference may outlast the collective timeout of
-        # training: those waits go through a CPU group of their own, with their own limit.
-        group = dist.new_group(backend="gloo", timeout=wait)
+        # Waits for rank 0's nodes go through a CPU group of their own, with their own limit (`rank0_wait`)
+        group = dist.new_group(backend="gloo", timeout=rank0_wait())
         nodes = launch_order(pipeline)
         last_shared = max((i for i, n in enumerate(nodes) if runs_on_all_ranks(n)), default=-1)
         needed = {name for n in nodes if runs_on_all_ranks(n) for name in n.inputs}
@@ -126,25 +137,29 @@ class RankAwareRunner(SequentialRunner):
 
         load_counts = Counter(name for n in nodes for name in n.inputs)  # what Kedro frees as it goes
         for index, node in enumerate(nodes):
-            shared = runs_on_all_ranks(node)
+            waited = not runs_on_all_ranks(node) and index < last_shared  # the other ranks wait for it
+            step = "in node"
             try:
                 Task(
                     node=node, catalog=catalog, hook_manager=hook_manager, is_async=False, run_id=run_id
                 ).execute()
+                self._logger.info("Completed node: %s", node.name)
+                if waited:
+                    step = "after node"  # its task is done: loading or sending what the others need
+                    memory = {
+                        name: catalog.load(name)
+                        for name in node.outputs
+                        if name in needed and _ephemeral(catalog, name)
+                    }
+                    # pickled before anything is broadcast: a failure here leaves the others waiting
+                    # for a message, which the handler sends
+                    _send(group, {"error": None, "outputs": memory})
+                    waited = False  # sent: nobody waits any longer
             except Exception as err:
-                if not shared and index < last_shared:  # the other ranks are waiting for this node
-                    _send(
-                        group, {"error": f"rank 0 ({socket.gethostname()}) failed in node {node.name}: {err}"}
-                    )
+                if waited:
+                    host = socket.gethostname()
+                    _send(group, {"error": f"rank 0 ({host}) failed {step} {node.name}: {err!r}"})
                 raise
-            self._logger.info("Completed node: %s", node.name)
-            if not shared and index < last_shared:
-                memory = {
-                    name: catalog.load(name)
-                    for name in node.outputs
-                    if name in needed and _ephemeral(catalog, name)
-                }
-                _send(group, {"error": None, "outputs": memory})
             self._release_datasets(node, catalog, load_counts, pipeline)
 
     def _run_other(self, nodes: list[Node], last_shared: int, catalog: Any, group: Any) -> None:

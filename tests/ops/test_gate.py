@@ -265,3 +265,41 @@ def test_a_refused_operating_point_registers_the_teacher_and_the_prerank_not_rl(
     tags = mlflow.MlflowClient().get_model_version(registry.DIFFUSION_MODEL, forced["rl"]).tags
     assert tags["operating_point.source"].startswith("fallback tau 0.9 by register_without_operating_point")
     assert refused in tags["operating_point.source"]
+
+
+def test_each_gate_threshold_passes_exactly_at_its_bar() -> None:
+    """`unforced_rate` at the floor, the paired R@1 interval's lower end at -margin and the speed-up's
+    lower end at the floor all pass; just short of each, the check fails."""
+    config = GateConfig(margin=0.05, min_unforced_rate=0.5, min_speed_ratio=1.0, n_boot=200)
+    # identical hits: the paired interval is the point 0; the margin is set to meet it exactly
+    hits = [1.0, 0.0] * 20
+    at_bar = decide(
+        side(hits, own=0.5, speed=100.0), None, side(hits, speed=100.0), prerank_score_of(hits), config
+    )
+    assert at_bar["decision"] == "promote", at_bar["reasons"]
+    assert at_bar["numbers"]["speed_ratio_vs_ar_rl.low"] == 1.0
+    assert at_bar["numbers"]["recall@1_vs_prerank.low"] == 0.0
+    no_margin = GateConfig(margin=0.0, min_unforced_rate=0.5, min_speed_ratio=1.0, n_boot=200)
+    exact = decide(
+        side(hits, own=0.5, speed=100.0), None, side(hits, speed=100.0), prerank_score_of(hits), no_margin
+    )
+    assert exact["decision"] == "promote"  # lower end 0.0 >= -0.0
+    # the float tolerance of `>=`: a figure 1e-12 short of its bar still reaches it
+    edge = decide(
+        side(hits, own=0.5 - 1e-12, speed=100.0),
+        None,
+        side(hits, speed=100.0),
+        prerank_score_of(hits),
+        no_margin,
+    )
+    assert edge["decision"] == "promote", edge["reasons"]
+    short = {
+        "unforced_rate": side(hits, own=0.5 - 1e-9, speed=100.0),
+        "speed_ratio_vs_ar_rl.low": side(hits, own=0.5, speed=100.0 - 1e-7),
+    }
+    for name, challenger in short.items():
+        result = decide(challenger, None, side(hits, speed=100.0), prerank_score_of(hits), no_margin)
+        assert result["decided_by"] == [name], result["reasons"]
+    worse = [1.0, 0.0] * 19 + [0.0, 0.0]  # one hit fewer: the lower end goes below 0
+    result = decide(side(worse, own=0.5), None, side(worse), prerank_score_of(hits), no_margin)
+    assert result["decided_by"] == ["recall@1_vs_prerank.low"]

@@ -304,3 +304,11 @@ def test_other_dataset_names_do_not_fall_back(tmp_path: Path) -> None:
 def test_parse_price(value: object, expected: float) -> None:
     got = parse_price(value)
     assert (math.isnan(got) and math.isnan(expected)) or got == expected
+
+
+def test_a_reject_share_exactly_at_the_threshold_does_not_stop(tmp_path: Path) -> None:
+    """The stop is `share > max_reject_share`: 1 of 20 rows (5%) passes 5% and stops at 4.9%."""
+    _inter_file(tmp_path, n_good=19, bad_at=3)
+    assert len(read_raw(tmp_path, ReadConfig(max_reject_share=0.05)).rejects) == 1
+    with pytest.raises(DataQualityError, match="1 of 20 rows rejected"):
+        read_raw(tmp_path, ReadConfig(max_reject_share=0.049))

@@ -193,3 +193,37 @@ def test_resolve_reads_the_choice_and_refuses_clearly() -> None:
         resolve_operating_point(points, "opd")
     with pytest.raises(OperatingPointError, match="no entry for it"):
         resolve_operating_point(None, "rl")
+
+
+@pytest.mark.parametrize(
+    ("speed", "admitted"),
+    [(1.0, True), (1.0 - 1e-12, True), (1.0 - 1e-6, False)],  # the floor, its float tolerance, below
+)
+def test_the_speed_floor_admits_a_speed_up_exactly_at_it(speed: float, admitted: bool) -> None:
+    table = [_timed(_row(0.9, None, 0.0, 1500.0), batch_1=speed)]
+    if admitted:
+        assert choose_operating_point(table, 0.20, 0.01, min_speed_ratio=1.0)["tau"] == 0.9
+    else:
+        with pytest.raises(OperatingPointError, match="speed-up over ar_rl >= 1.00x"):
+            choose_operating_point(table, 0.20, 0.01, min_speed_ratio=1.0)
+
+
+@pytest.mark.parametrize(
+    ("low", "own", "admitted"),
+    [
+        (-0.03, 0.5, True),  # both exactly at their bound
+        (-0.03 - 1e-12, 0.5, True),  # the budget's float tolerance
+        (-0.03 - 1e-6, 0.5, False),
+        (-0.03, 0.5 - 1e-9, False),
+    ],
+)
+def test_the_budget_and_the_own_valid_floor_admit_a_candidate_exactly_at_them(
+    low: float, own: float, admitted: bool
+) -> None:
+    row = _row(0.9, None, low, 1500.0, own=own)
+    assert meets_accuracy_gates(row, 0.03, min_unforced_rate=0.5) is admitted
+    if admitted:
+        assert choose_operating_point([row], 0.20, 0.03, min_unforced_rate=0.5)["tau"] == 0.9
+    else:
+        with pytest.raises(OperatingPointError):
+            choose_operating_point([row], 0.20, 0.03, min_unforced_rate=0.5)
