@@ -6,8 +6,8 @@
     .venv/bin/python benchmarks/decode_variants.py --models /tmp/distill --systems rl base cert0 \\
         --taus 0.75 0.6 --sid-taus 0.99 --modes fused --reference ar_rl --max-users 400
 
-Records `rl`'s served decodes on training requests once (the `distill` stage's settings, decoding as
-`inference.decoding` says), then trains each variant from `rl` on them: a variant is `name` or
+Records `--init`'s (`rl`'s) served decodes on training requests once (the `distill` stage's settings, decoding as
+`inference.decoding` says), then trains each variant from that model on them (`--init` a variant already trained: a second round): a variant is `name` or
 `name:key=value,...` overriding the `distill` parameters by dotted key (`trajectories.*` keys re-record).
 Each variant is saved to `OUT/<name>` beside links to `rl`, `ar_rl` and the tokenizer, so
 decode_variants.py compares them on validation (these figures choose settings; test only reports).
@@ -62,6 +62,11 @@ def main() -> None:
     parser.add_argument("--params", type=Path, default=ROOT / "conf/base/parameters_training.yml")
     parser.add_argument("--inference", type=Path, default=ROOT / "conf/base/parameters_inference.yml")
     parser.add_argument("--variant", action="append", default=[], help="name or name:key=value,...")
+    parser.add_argument(
+        "--init",
+        default="rl",
+        help="the model each variant records from and starts at (a folder of --out or --models)",
+    )
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -76,6 +81,7 @@ def main() -> None:
         link = args.out / name
         if not link.exists():
             link.symlink_to((args.models / name).resolve())
+    init = args.out / args.init if (args.out / args.init).exists() else args.models / args.init
     recorded: dict[str, pd.DataFrame] = {}
     summary = []
     for spec in args.variant or ["base"]:
@@ -83,7 +89,7 @@ def main() -> None:
         key = json.dumps(params["trajectories"], sort_keys=True)
         if key not in recorded:
             start = time.perf_counter()
-            model = load_model(args.models / "rl").eval()
+            model = load_model(init).eval()
             recorded[key] = record_trajectories(
                 model, tokenizer, train_requests, decoding, TrajectoryConfig(**params["trajectories"])
             )
@@ -94,7 +100,7 @@ def main() -> None:
                 f"set aside {frame.loc[~frame['kept'], 'reason'].value_counts().to_dict()}"
             )
         kept = kept_trajectories(recorded[key])
-        model = load_model(args.models / "rl")
+        model = load_model(init)
         config = SupervisedConfig(**params["supervised"], block_size=policy_block_size(model))
         train_config = {k: v for k, v in params["train"].items() if k in TrainConfig.__dataclass_fields__}
         train_config.update(

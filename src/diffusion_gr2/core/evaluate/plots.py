@@ -35,6 +35,7 @@ _COLORS = {  # one colour per system, stable across figures
     "cft": "#1f77b4",
     "opd": "#2ca02c",
     "rl": "#ff7f0e",
+    "distilled": "#17becf",
     "generate": "#e377c2",  # transformers' generate on ar_rl's weights (benchmark)
 }
 

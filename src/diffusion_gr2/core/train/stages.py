@@ -214,6 +214,9 @@ class RolloutConfig:
     group_size: int = 8  # rollouts per request (G; OPD uses 4)
     temperature: float = 1.0  # sampling temperature of rollouts
     threshold: float = 0.9  # tau for block-diffusion rollouts
+    # block diffusion: the tau a SID code must clear to join a forward's parallel commits, as served
+    # (`RerankConfig.sid_threshold`; None = `threshold` everywhere)
+    sid_threshold: float | None = None
     # as at inference: rollouts decode the way the model is served
     commit_rule: str = DecodeConfig.commit_rule
     max_new_tokens: int = 192
@@ -252,7 +255,10 @@ def rollout_decode_config(
     """Rollouts decode as inference does (the one builder), sampled, 64 rows at a time."""
     block_size = policy_block_size(model)
     decoding = RerankConfig(
-        max_new_tokens=config.max_new_tokens, batch_size=64, commit_rule=config.commit_rule
+        max_new_tokens=config.max_new_tokens,
+        batch_size=64,
+        commit_rule=config.commit_rule,
+        sid_threshold=config.sid_threshold,
     )
     tau = config.threshold if block_size > 1 else None
     return decode_config_for(

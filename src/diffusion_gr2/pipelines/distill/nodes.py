@@ -8,7 +8,12 @@ import pandas as pd
 from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
 from diffusion_gr2.core.rank.rerank import RerankConfig, prepare_model
-from diffusion_gr2.core.train.stages import SupervisedConfig, example_batches, policy_block_size, supervised_loss
+from diffusion_gr2.core.train.stages import (
+    SupervisedConfig,
+    example_batches,
+    policy_block_size,
+    supervised_loss,
+)
 from diffusion_gr2.core.train.trajectory import TrajectoryConfig, kept_trajectories, record_trajectories
 from diffusion_gr2.pipelines.training import train_stage
 

@@ -73,6 +73,7 @@ BUDGETED_NODES = (
     "train_cft",
     "train_opd",
     "train_diffusion_rl",
+    "train_distilled",
 )
 
 
