@@ -12,8 +12,7 @@ DEFAULT_STAGES = (
     "cft",
     "opd",
     "rl",
-    "distill",
     "inference",
     "evaluation",
 )
-TRAINING_STAGES = DEFAULT_STAGES[: DEFAULT_STAGES.index("distill") + 1]
+TRAINING_STAGES = DEFAULT_STAGES[: DEFAULT_STAGES.index("rl") + 1]

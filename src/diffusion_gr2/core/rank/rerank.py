@@ -72,10 +72,10 @@ __all__ = [
     "setting_rows",
 ]
 
-SYSTEMS = ("prerank", "ar_sft", "ar_rl", "naive", "cft", "opd", "rl", "distilled")  # DESIGN §10, report order
+SYSTEMS = ("prerank", "ar_sft", "ar_rl", "naive", "cft", "opd", "rl")  # DESIGN §10, in report order
 AR_SYSTEMS = ("ar_sft", "ar_rl")
 SID_SCOPES = ("answer", "list")  # where RerankConfig.sid_threshold holds
-DIFFUSION_SYSTEMS = ("naive", "cft", "opd", "rl", "distilled")
+DIFFUSION_SYSTEMS = ("naive", "cft", "opd", "rl")
 RANKING_COLUMNS = (
     "split",
     "system",

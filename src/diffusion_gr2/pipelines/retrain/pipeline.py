@@ -73,7 +73,6 @@ BUDGETED_NODES = (
     "train_cft",
     "train_opd",
     "train_diffusion_rl",
-    "train_distilled",
 )
 
 
