@@ -8,14 +8,8 @@ import pandas as pd
 from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
 from diffusion_gr2.core.rank.rerank import RerankConfig, prepare_model
-from diffusion_gr2.core.train.stages import (
-    SupervisedConfig,
-    example_batches,
-    policy_block_size,
-    supervised_loss,
-)
 from diffusion_gr2.core.train.trajectory import TrajectoryConfig, kept_trajectories, record_trajectories
-from diffusion_gr2.pipelines.training import train_stage
+from diffusion_gr2.pipelines.training import train_supervised
 
 
 def record_trajectories_node(
@@ -45,11 +39,7 @@ def train_distilled(
 ) -> tuple[PreTrainedModel, dict[str, Any]]:
     """The CFT loss on the kept trajectories' canvases plus the certainty term (`core/train/trajectory.py`)."""
     kept = kept_trajectories(trajectories)
-    config = SupervisedConfig(**params["supervised"], block_size=policy_block_size(model))
-    make_batch = example_batches(kept, tokenizer.pad_token_id, config)
-    model, summary = train_stage(
-        params["stage"], model, make_batch, supervised_loss(config, tokenizer.mask_token_id), params, kept
-    )
+    model, summary = train_supervised(model, kept, tokenizer, params)  # the noise pattern is a setting
     recorded = trajectories["response_ids"].map(len).sum()
     return model, {
         **summary,
