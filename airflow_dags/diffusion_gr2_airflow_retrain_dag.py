@@ -123,6 +123,14 @@ def diffusion_gr2():
     def train_diffusion_rl():
         run_nodes(pipeline_name, ["train_diffusion_rl"], env, conf_source)
 
+    @task(task_id="record-trajectories")
+    def record_trajectories():
+        run_nodes(pipeline_name, ["record_trajectories"], env, conf_source)
+
+    @task(task_id="train-distilled")
+    def train_distilled():
+        run_nodes(pipeline_name, ["train_distilled"], env, conf_source)
+
     @task(task_id="choose-operating-point")
     def choose_operating_point():
         run_nodes(pipeline_name, ["choose_operating_point"], env, conf_source)
@@ -157,6 +165,8 @@ def diffusion_gr2():
         "train-cft": train_cft(),
         "train-opd": train_opd(),
         "train-diffusion-rl": train_diffusion_rl(),
+        "record-trajectories": record_trajectories(),
+        "train-distilled": train_distilled(),
         "choose-operating-point": choose_operating_point(),
         "register-models": register_models(),
         "run-gate": run_gate(),
@@ -215,15 +225,22 @@ def diffusion_gr2():
     tasks["plan-warm-start"] >> tasks["train-diffusion-rl"]
     tasks["train-opd"] >> tasks["train-diffusion-rl"]
     tasks["train-tokenizer"] >> tasks["train-diffusion-rl"]
+    tasks["encode-datasets"] >> tasks["record-trajectories"]
+    tasks["train-diffusion-rl"] >> tasks["record-trajectories"]
+    tasks["train-tokenizer"] >> tasks["record-trajectories"]
+    tasks["plan-warm-start"] >> tasks["train-distilled"]
+    tasks["record-trajectories"] >> tasks["train-distilled"]
+    tasks["train-diffusion-rl"] >> tasks["train-distilled"]
+    tasks["train-tokenizer"] >> tasks["train-distilled"]
     tasks["encode-datasets"] >> tasks["choose-operating-point"]
     tasks["train-ar-rl"] >> tasks["choose-operating-point"]
-    tasks["train-diffusion-rl"] >> tasks["choose-operating-point"]
+    tasks["train-distilled"] >> tasks["choose-operating-point"]
     tasks["train-tokenizer"] >> tasks["choose-operating-point"]
     tasks["choose-operating-point"] >> tasks["register-models"]
     tasks["fit-item-sids"] >> tasks["register-models"]
     tasks["prepare-dataset"] >> tasks["register-models"]
     tasks["train-ar-rl"] >> tasks["register-models"]
-    tasks["train-diffusion-rl"] >> tasks["register-models"]
+    tasks["train-distilled"] >> tasks["register-models"]
     tasks["gate-requests"] >> tasks["run-gate"]
     tasks["register-models"] >> tasks["run-gate"]
 

@@ -18,7 +18,7 @@ from diffusion_gr2.core.bench.benchmark import BENCHMARK_KEYS
 from diffusion_gr2.core.evaluate.rankings import stage_metrics
 from tests.conftest import PROJECT_ROOT, run_kedro
 
-SYSTEMS = ("prerank", "ar_sft", "ar_rl", "naive", "cft", "opd", "rl")
+SYSTEMS = ("prerank", "ar_sft", "ar_rl", "naive", "cft", "opd", "rl", "distilled")
 
 
 def report(project: Path, name: str):
@@ -61,7 +61,7 @@ def test_stage_metrics_cover_every_system_and_are_recomputable(dag_run: Path) ->
 
 
 def test_every_model_is_saved_with_its_tokenizer_and_logged(dag_run: Path) -> None:
-    for name in ("ar_sft", "ar_rl", "naive", "cft", "opd", "rl"):
+    for name in ("ar_sft", "ar_rl", "naive", "cft", "opd", "rl", "distilled"):
         folder = dag_run / "data/06_models" / name
         assert (folder / "model.safetensors").exists() and (folder / "tokenizer.json").exists()
     config = json.loads((dag_run / "data/06_models/naive/config.json").read_text())
@@ -75,13 +75,13 @@ def test_every_model_is_saved_with_its_tokenizer_and_logged(dag_run: Path) -> No
     assert runs, "no MLflow run for the default pipeline"
     client = mlflow.MlflowClient()
     logged = {a.path for a in client.list_artifacts(runs[0].info.run_id, "models")}
-    assert {"models/ar_rl", "models/rl", "models/tokenizer"} <= logged
+    assert {"models/ar_rl", "models/rl", "models/distilled", "models/tokenizer"} <= logged
     metrics = client.get_metric_history(runs[0].info.run_id, "ar_sft.loss")
     assert len(metrics) >= 1
     # where the run's time went: every node timed, on the run and in node_times.json
     times = report(dag_run, "node_times.json")
     logged_times = {k for k in runs[0].data.metrics if k.startswith("timing.")}
-    assert {"timing.train_cft_s", "timing.train_diffusion_rl_s"} <= logged_times
+    assert {"timing.train_cft_s", "timing.train_diffusion_rl_s", "timing.train_distilled_s"} <= logged_times
     assert times["nodes_s"] and 0 < sum(times["nodes_s"].values()) <= times["total_s"]  # the last run's
 
 

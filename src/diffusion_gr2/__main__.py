@@ -126,19 +126,23 @@ def serve(args: argparse.Namespace, client) -> int:  # noqa: ANN001 (an MlflowCl
 
 
 def summary(reporting: str) -> str:
-    """The run's last line: whether `rl` has an operating point, what `make register` will gate, what
-    serves now. Never fails: a missing report or store is said in the line."""
+    """The run's last line: whether the served diffusion system has an operating point, what `make
+    register` will gate, what serves now. Never fails: a missing report or store is said in the line."""
     import json
 
     from diffusion_gr2.core.rank.operating_point import OperatingPointError, resolve_operating_point
+    from diffusion_gr2.core.rank.rerank import SERVED_DIFFUSION
     from diffusion_gr2.core.tracking import registry
 
     path = Path(reporting) / "operating_point.json"
     points = json.loads(path.read_text()) if path.exists() else None
     try:
-        tau, window = resolve_operating_point(points, "rl")
+        tau, window = resolve_operating_point(points, SERVED_DIFFUSION)
         where = "whole block" if window is None else f"window {window}"
-        plan = f"rl has an operating point (tau {tau:g}, {where}): `make register` gates it and the teacher"
+        plan = (
+            f"{SERVED_DIFFUSION} has an operating point (tau {tau:g}, {where}): "
+            "`make register` gates it and the teacher"
+        )
     except OperatingPointError as err:
         plan = f"{err}: `make register` gates the teacher ar_rl alone (the pre-rank serves if it fails)"
     try:

@@ -9,7 +9,15 @@ from diffusion_gr2.hooks import LaunchHooks
 from diffusion_gr2.runner import launch_order, placement, runs_on_all_ranks
 from tests.conftest import PROJECT_ROOT
 
-TRAINING = {"midtrain_ar_copy", "train_ar_sft", "train_ar_rl", "train_cft", "train_opd", "train_diffusion_rl"}
+TRAINING = {
+    "midtrain_ar_copy",
+    "train_ar_sft",
+    "train_ar_rl",
+    "train_cft",
+    "train_opd",
+    "train_diffusion_rl",
+    "train_distilled",
+}
 
 
 @pytest.fixture(scope="module")

@@ -11,6 +11,7 @@ import pandas as pd
 import pytest
 
 from diffusion_gr2.core.bench.harness import TimedRate
+from diffusion_gr2.core.rank.rerank import SERVED_DIFFUSION
 from diffusion_gr2.core.tracking import registry
 from diffusion_gr2.core.tracking.gate import GateConfig, decide, newest_slice, prerank_score
 from diffusion_gr2.pipelines.retrain.nodes import register_models, run_gate
@@ -56,38 +57,41 @@ def test_gate_promotes_a_passing_challenger_and_refuses_a_worse_one(
 ) -> None:
     # the registry's side of the gate; random models are held to no R@1 floor here (margin 1)
     loose = params(tmp_path, margin=1.0)
-    first = {"rl": register(world, "rl"), "ar_rl": register(world, "ar_rl")}
+    first = {"diffusion": register(world, "rl"), "teacher": register(world, "ar_rl")}
     report = run_gate(first, requests(world), loose)["gate_report"]
     assert report["decision"] == "promote" and report["champion_version"] is None  # first version
-    assert registry.alias_version(registry.DIFFUSION_MODEL, registry.CHAMPION).version == first["rl"]
-    assert registry.alias_version(registry.TEACHER_MODEL, registry.CHAMPION).version == first["ar_rl"]
+    assert registry.alias_version(registry.DIFFUSION_MODEL, registry.CHAMPION).version == first["diffusion"]
+    assert registry.alias_version(registry.TEACHER_MODEL, registry.CHAMPION).version == first["teacher"]
 
-    same = {"rl": register(world, "rl"), "ar_rl": register(world, "ar_rl")}  # as good as the champion
+    same = {
+        "diffusion": register(world, "rl"),
+        "teacher": register(world, "ar_rl"),
+    }  # as good as the champion
     report = run_gate(same, requests(world), loose)["gate_report"]
     assert report["decision"] == "promote" and report["numbers"]["recall@1_vs_champion"] == 0.0
     # the same weights answer alike: the paired interval is the point itself
     assert (
         report["numbers"]["recall@1_vs_champion.low"] == report["numbers"]["recall@1_vs_champion.high"] == 0.0
     )
-    assert report["champion_version"] == first["rl"]
-    assert registry.alias_version(registry.DIFFUSION_MODEL, registry.CHAMPION).version == same["rl"]
+    assert report["champion_version"] == first["diffusion"]
+    assert registry.alias_version(registry.DIFFUSION_MODEL, registry.CHAMPION).version == same["diffusion"]
 
     # Timed on one round: its speed-up's range covers 0% of the stated 95%, so the speed check fails
     # whatever the floor (here 0).
-    hasty = {"rl": register(world, "rl"), "ar_rl": same["ar_rl"]}
+    hasty = {"diffusion": register(world, "rl"), "teacher": same["teacher"]}
     report = run_gate(hasty, requests(world), params(tmp_path, margin=1.0, speed_rounds=1))["gate_report"]
     assert report["decision"] == "refuse" and report["decided_by"] == ["speed_ratio_vs_ar_rl.low"]
     assert "too few timing rounds: 1 cover 0.0% < 95%" in report["reasons"]
-    assert registry.alias_version(registry.DIFFUSION_MODEL, registry.CHAMPION).version == same["rl"]
-    assert registry.alias_version(registry.DIFFUSION_MODEL, registry.CHALLENGER).version == hasty["rl"]
-    tags = mlflow.MlflowClient().get_model_version(registry.DIFFUSION_MODEL, hasty["rl"]).tags
+    assert registry.alias_version(registry.DIFFUSION_MODEL, registry.CHAMPION).version == same["diffusion"]
+    assert registry.alias_version(registry.DIFFUSION_MODEL, registry.CHALLENGER).version == hasty["diffusion"]
+    tags = mlflow.MlflowClient().get_model_version(registry.DIFFUSION_MODEL, hasty["diffusion"]).tags
     assert tags["gate.decision"] == "refuse" and float(tags["gate.speed_ratio_vs_ar_rl.coverage"]) == 0.0
     assert not (tmp_path / ".retrain.lock").exists()
 
 
 def test_own_answers_repaired_by_the_grammar_are_refused(store: str, world: World, tmp_path: Path) -> None:
     """Served under the grammar every answer of a random model is valid; its own answers are not."""
-    versions = {"rl": register(world, "rl"), "ar_rl": register(world, "ar_rl")}
+    versions = {"diffusion": register(world, "rl"), "teacher": register(world, "ar_rl")}
     report = run_gate(versions, requests(world), params(tmp_path, margin=1.0, min_unforced_rate=0.5))
     report = report["gate_report"]
     assert report["numbers"]["valid_rate"] == 1.0 and report["numbers"]["unforced_rate"] == 0.0
@@ -234,19 +238,19 @@ def test_the_champion_comparison_gets_a_paired_interval_over_users() -> None:
     assert "recall@1_vs_champion.low" in checked and "recall@1_vs_teacher.low" not in checked
 
 
-def test_a_refused_operating_point_registers_the_teacher_and_the_prerank_not_rl(
+def test_a_refused_operating_point_registers_the_teacher_and_the_prerank_not_the_diffusion_model(
     store: str, world: World, tmp_path: Path
 ) -> None:
     refused = "no (tau, window) reaches R@1 0.117 on validation; the best R@1 was 0.148 at tau 0.6"
-    chosen = {"rl": {"tau": None, "window": None, "refused": refused}}
+    chosen = {SERVED_DIFFUSION: {"tau": None, "window": None, "refused": refused}}
     retrain = params(tmp_path, min_unforced_rate=0.5) | {  # the random teacher's own answers fail it
         "fallback_tau": 0.9,
-        "model_dirs": {s: str(world.models[s]) for s in ("rl", "ar_rl")},
+        "model_dirs": {"diffusion": str(world.models["rl"]), "teacher": str(world.models["ar_rl"])},
     }
     traces, inference = {"prompt": {}}, {"decoding": {**DECODING, **LONG}}
     versions = register_models(None, None, world.items, world.sids, chosen, retrain, traces, inference)
-    assert versions["rl"] is None and refused in versions["not_registered"]
-    assert versions["ar_rl"] == "1" and versions["prerank"] == "1"
+    assert versions["diffusion"] is None and refused in versions["not_registered"]
+    assert versions["teacher"] == "1" and versions["prerank"] == "1"
     report = run_gate(versions, requests(world), retrain)["gate_report"]
     assert report["decision"] == "not_registered" and refused in report["reasons"]
     assert report["teacher_gate"]["decision"] == "refuse"
@@ -258,11 +262,11 @@ def test_a_refused_operating_point_registers_the_teacher_and_the_prerank_not_rl(
     assert "diffusion-gr2 has no version" in report["serving"] and "unforced_rate" in report["serving"]
     assert not (tmp_path / ".retrain.lock").exists()
     missing = register_models(None, None, world.items, world.sids, {}, retrain, traces, inference)
-    assert missing["rl"] is None and "no entry" in missing["not_registered"]
+    assert missing["diffusion"] is None and "no entry" in missing["not_registered"]
 
     override = retrain | {"register_without_operating_point": True}
     forced = register_models(None, None, world.items, world.sids, chosen, override, traces, inference)
-    tags = mlflow.MlflowClient().get_model_version(registry.DIFFUSION_MODEL, forced["rl"]).tags
+    tags = mlflow.MlflowClient().get_model_version(registry.DIFFUSION_MODEL, forced["diffusion"]).tags
     assert tags["operating_point.source"].startswith("fallback tau 0.9 by register_without_operating_point")
     assert refused in tags["operating_point.source"]
 

@@ -3,26 +3,30 @@ teacher's, else the retriever's order; an empty or missing registry is one line 
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import mlflow
 import pytest
 
 from diffusion_gr2.__main__ import ops
+from diffusion_gr2.core.rank.rerank import SERVED_DIFFUSION
 from diffusion_gr2.core.tracking import registry
 from diffusion_gr2.core.tracking.serving import SIGNATURE, RequestError
 from diffusion_gr2.pipelines.retrain.nodes import register_models, run_gate
 from tests.ops.conftest import DECODING, World
 from tests.ops.test_gate import LONG, params, requests
 
-REFUSED = {"rl": {"tau": None, "window": None, "refused": "own valid rate 0.40 < 0.5 at every tau"}}
+REFUSED = {
+    SERVED_DIFFUSION: {"tau": None, "window": None, "refused": "own valid rate 0.40 < 0.5 at every tau"}
+}
 TRACES, INFERENCE = {"prompt": {}}, {"decoding": {**DECODING, **LONG}}
 
 
 def register_and_gate(world: World, tmp_path: Path, points: dict, **gate: float) -> dict:
     retrain = params(tmp_path, **gate) | {
         "fallback_tau": 0.9,
-        "model_dirs": {s: str(world.models[s]) for s in ("rl", "ar_rl")},
+        "model_dirs": {"diffusion": str(world.models["rl"]), "teacher": str(world.models["ar_rl"])},
     }
     versions = register_models(None, None, world.items, world.sids, points, retrain, TRACES, INFERENCE)
     return run_gate(versions, requests(world), retrain)["gate_report"]
@@ -74,7 +78,7 @@ def test_a_passing_teacher_serves_until_a_diffusion_model_passes(
 
     # the next registration has an operating point and passes: the diffusion model serves; the new
     # teacher is compared with the teacher's champion
-    report = register_and_gate(world, tmp_path, {"rl": {"tau": 0.9, "window": None}}, margin=1.0)
+    report = register_and_gate(world, tmp_path, {SERVED_DIFFUSION: {"tau": 0.9, "window": None}}, margin=1.0)
     assert report["decision"] == "promote" and report["teacher_gate"]["champion_version"] == "1"
     assert "recall@1_vs_champion.low" in {c["name"] for c in report["teacher_gate"]["checks"]}
     assert which(capsys) == f"serving {registry.DIFFUSION_MODEL} v1 (the diffusion re-ranker): its champion"
@@ -124,16 +128,18 @@ def test_the_run_summary_names_what_will_serve(
     reporting = tmp_path / "08_reporting"
     reporting.mkdir()
     (reporting / "operating_point.json").write_text(
-        '{"rl": {"tau": null, "refused": "own valid 0.40 < 0.5"}}'
+        json.dumps({SERVED_DIFFUSION: {"tau": None, "refused": "own valid 0.40 < 0.5"}})
     )
     assert ops(["summary", "--reporting", str(reporting)]) == 0
     out = capsys.readouterr().out
     assert out == (
-        "Will serve: 'rl' has no operating point: own valid 0.40 < 0.5: `make register` gates the teacher "
+        f"Will serve: '{SERVED_DIFFUSION}' has no operating point: own valid 0.40 < 0.5: `make register` gates the teacher "
         "ar_rl alone (the pre-rank serves if it fails); now nothing registered yet\n"
     )
-    (reporting / "operating_point.json").write_text('{"rl": {"tau": 0.75, "window": null}}')
+    (reporting / "operating_point.json").write_text(
+        json.dumps({SERVED_DIFFUSION: {"tau": 0.75, "window": None}})
+    )
     assert ops(["summary", "--reporting", str(reporting)]) == 0
     assert capsys.readouterr().out.startswith(
-        "Will serve: rl has an operating point (tau 0.75, whole block): `make register` gates it and the teacher"
+        f"Will serve: {SERVED_DIFFUSION} has an operating point (tau 0.75, whole block): `make register` gates it and the teacher"
     )

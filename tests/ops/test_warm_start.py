@@ -9,6 +9,7 @@ import yaml
 from transformers import PreTrainedTokenizerFast
 
 from diffusion_gr2.core.model.factory import load_model
+from diffusion_gr2.core.rank.rerank import SERVED_DIFFUSION
 from diffusion_gr2.core.tracking import registry
 from diffusion_gr2.pipelines.retrain import retrain_pipeline
 from diffusion_gr2.pipelines.retrain.pipeline import BUDGETED_NODES
@@ -55,7 +56,9 @@ def test_the_plan_takes_the_teacher_the_champion_was_trained_with(
     register_pair(world)  # a newer pair, then the diffusion model alone rolled back to the first
     registry.rollback(registry.DIFFUSION_MODEL, to_version=model)
     plan = plan_warm_start({"warm_start": {**PARAMS, "dir": str(tmp_path / "warm")}}, {})
-    assert plan["models"]["rl"]["version"] == model and plan["models"]["ar_rl"]["version"] == teacher
+    assert (
+        plan["models"][SERVED_DIFFUSION]["version"] == model and plan["models"]["ar_rl"]["version"] == teacher
+    )
     assert registry.alias_version(registry.TEACHER_MODEL, registry.CHAMPION).version != teacher
 
     untagged = registry.register_reranker(
@@ -80,8 +83,10 @@ def test_the_plan_is_cold_without_a_champion_or_when_disabled(
     from diffusion_gr2.core.tracking.lineage import DigestCache
 
     digests = DigestCache()
-    assert digests.digest(warm["models"]["rl"]["model"]) == digests.digest(world.models["rl"])
-    assert champion_files("convert_teacher", warm) == {"model_rl": Path(warm["models"]["rl"]["model"])}
+    assert digests.digest(warm["models"][SERVED_DIFFUSION]["model"]) == digests.digest(world.models["rl"])
+    assert champion_files("convert_teacher", warm) == {
+        f"model_{SERVED_DIFFUSION}": Path(warm["models"][SERVED_DIFFUSION]["model"])
+    }
     assert champion_files("train_cft", warm) == {} and champion_files("convert_teacher", cold) == {}
 
 
@@ -128,5 +133,7 @@ def test_every_training_node_of_the_retrain_runs_under_a_warm_budget() -> None:
             for n in node.inputs
         )
     }
-    assert trained - {"build_ar_model"} == set(BUDGETED_NODES)  # it reads the SFT settings for the model
+    assert trained - {"build_ar_model", "record_trajectories"} == set(
+        BUDGETED_NODES
+    )  # they read a stage's settings
     assert {n.name for n in retrain_pipeline().nodes if "warm_start" in n.inputs} >= set(BUDGETED_NODES)

@@ -12,7 +12,8 @@ DEFAULT_STAGES = (
     "cft",
     "opd",
     "rl",
+    "distill",
     "inference",
     "evaluation",
 )
-TRAINING_STAGES = DEFAULT_STAGES[: DEFAULT_STAGES.index("rl") + 1]
+TRAINING_STAGES = DEFAULT_STAGES[: DEFAULT_STAGES.index("distill") + 1]

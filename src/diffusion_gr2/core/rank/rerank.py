@@ -51,6 +51,7 @@ __all__ = [
     "AR_SYSTEMS",
     "DIFFUSION_SYSTEMS",
     "RANKING_COLUMNS",
+    "SERVED_DIFFUSION",
     "SYSTEMS",
     "RerankConfig",
     "decode_config_for",
@@ -72,10 +73,13 @@ __all__ = [
     "setting_rows",
 ]
 
-SYSTEMS = ("prerank", "ar_sft", "ar_rl", "naive", "cft", "opd", "rl")  # DESIGN §10, in report order
+SYSTEMS = ("prerank", "ar_sft", "ar_rl", "naive", "cft", "opd", "rl", "distilled")  # DESIGN §10, report order
 AR_SYSTEMS = ("ar_sft", "ar_rl")
 SID_SCOPES = ("answer", "list")  # where RerankConfig.sid_threshold holds
-DIFFUSION_SYSTEMS = ("naive", "cft", "opd", "rl")
+DIFFUSION_SYSTEMS = ("naive", "cft", "opd", "rl", "distilled")
+# The diffusion system the registry's `diffusion-gr2` holds and `make serve` serves: the chain's last
+# stage (rl distilled onto its own decoding trajectories: docs/experiments.md#trajectory-distillation).
+SERVED_DIFFUSION = "distilled"
 RANKING_COLUMNS = (
     "split",
     "system",

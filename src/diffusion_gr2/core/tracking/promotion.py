@@ -1,7 +1,7 @@
 """Gate and promote what one registration produced, so that something always serves (DESIGN §9).
 
-A registration holds up to three new versions: the diffusion re-ranker (`rl`, only when it has an
-operating point), the AR teacher (`ar_rl`, always) and the pre-rank (the retriever's order on this
+A registration holds up to three new versions: the diffusion re-ranker (role ``diffusion``, only when it
+has an operating point), the AR teacher (``teacher``, always) and the pre-rank (the retriever's order on this
 run's catalogue). Each re-ranker goes through the checks that apply to it (`gate.decide`,
 `gate.decide_teacher`) on the same newest requests; a passing one becomes its model's champion. When
 afterwards neither re-ranker has a champion, the pre-rank version does: `make serve` then answers
@@ -67,15 +67,16 @@ def gate_and_promote(
     load: Callable[[str], Ranker],
     client: MlflowClient | None = None,
 ) -> dict[str, Any]:
-    """Gate the new versions (`versions`: ``rl``, ``ar_rl``, ``prerank`` version numbers, None when not
-    registered, and ``not_registered``: why `rl` is not), promote what passes, fall back to the pre-rank.
+    """Gate the new versions (`versions`: ``diffusion``, ``teacher``, ``prerank`` version numbers, None
+    when not registered, and ``not_registered``: why the diffusion model is not), promote what passes,
+    fall back to the pre-rank.
 
     The report is the diffusion model's gate (``decision``: promote, refuse or not_registered, with
     ``checks`` and ``numbers``), the teacher's under ``teacher_gate``, and ``serving``: the one line
     saying what serves now and why. `load` turns a model URI into its `Ranker`.
     """
     client = client or MlflowClient()
-    names = {"rl": registry.DIFFUSION_MODEL, "ar_rl": registry.TEACHER_MODEL}
+    names = {"diffusion": registry.DIFFUSION_MODEL, "teacher": registry.TEACHER_MODEL}
     new = {s: versions.get(s) for s in names}
     # the new versions, and each model's champion it is compared with
     rankers = {s: load(f"models:/{names[s]}/{v}") for s, v in new.items() if v is not None}
@@ -88,36 +89,39 @@ def gate_and_promote(
     users = same["user"].tolist() if "user" in same else None
     prerank = prerank_score(same)
     scores = {key: score(ranker, same) for key, ranker in rankers.items()}
-    if new["ar_rl"] is None:
+    if new["teacher"] is None:
         raise ValueError("no teacher version to gate: register_models registers the teacher every time")
-    teacher_report = decide_teacher(scores["ar_rl"], scores.get("ar_rl_champion"), prerank, config, users)
-    if new["rl"] is None:
-        report = _not_registered(versions.get("not_registered") or "rl not registered")
+    teacher_report = decide_teacher(scores["teacher"], scores.get("teacher_champion"), prerank, config, users)
+    if new["diffusion"] is None:
+        report = _not_registered(versions.get("not_registered") or "the diffusion model is not registered")
     else:
-        timed = {"challenger": "rl", "teacher": "ar_rl"} | (
-            {"champion": "rl_champion"} if "rl_champion" in rankers else {}
+        timed = {"challenger": "diffusion", "teacher": "teacher"} | (
+            {"champion": "diffusion_champion"} if "diffusion_champion" in rankers else {}
         )
         rates = speeds({role: rankers[key] for role, key in timed.items()}, same, config)
         sides = {role: scores[key] | {"output_tokens_per_s": rates[role]} for role, key in timed.items()}
         report = decide(sides["challenger"], sides.get("champion"), sides["teacher"], prerank, config, users)
-        _tag(client, names["rl"], new["rl"], report)
+        _tag(client, names["diffusion"], new["diffusion"], report)
         if report["decision"] == "promote":
-            registry.promote(names["rl"], new["rl"], report["reasons"], client)
-    _tag(client, names["ar_rl"], new["ar_rl"], teacher_report)
+            registry.promote(names["diffusion"], new["diffusion"], report["reasons"], client)
+    _tag(client, names["teacher"], new["teacher"], teacher_report)
     if teacher_report["decision"] == "promote":
-        registry.promote(names["ar_rl"], new["ar_rl"], f"teacher gate: {teacher_report['reasons']}", client)
+        teacher_reason = f"teacher gate: {teacher_report['reasons']}"
+        registry.promote(names["teacher"], new["teacher"], teacher_reason, client)
     reranker_serves = any(registry.alias_version(n, registry.CHAMPION, client) for n in names.values())
     if not reranker_serves and versions.get("prerank") is not None:
         reason = "no re-ranker has passed the gate: the retriever's order serves"
         registry.promote(registry.PRERANK_MODEL, versions["prerank"], reason, client)
     served = registry.served_champion(client)
-    logger.info("gate: rl %s, teacher %s; %s", report["decision"], teacher_report["decision"], served.line())
+    logger.info(
+        "gate: diffusion %s, teacher %s; %s", report["decision"], teacher_report["decision"], served.line()
+    )
     return report | {
-        "challenger_version": new["rl"],
-        "teacher_version": new["ar_rl"],
+        "challenger_version": new["diffusion"],
+        "teacher_version": new["teacher"],
         "prerank_version": versions.get("prerank"),
-        "champion_version": champions["rl"].version if champions["rl"] else None,
+        "champion_version": champions["diffusion"].version if champions["diffusion"] else None,
         "teacher_gate": teacher_report
-        | {"champion_version": champions["ar_rl"].version if champions["ar_rl"] else None},
+        | {"champion_version": champions["teacher"].version if champions["teacher"] else None},
         "serving": served.line(),
     }

@@ -11,7 +11,7 @@ from diffusion_gr2.pipelines.evaluation.pipeline import report_node
 from .nodes import benchmark_decoding
 
 # The AR reference and the diffusion systems whose speed the paper reports (naive is not worth timing).
-BENCHMARK_SYSTEMS = ("ar_rl", "cft", "opd", "rl")
+BENCHMARK_SYSTEMS = ("ar_rl", "cft", "opd", "rl", "distilled")
 
 
 def create_pipeline(systems: Sequence[str] = BENCHMARK_SYSTEMS, **kwargs) -> Pipeline:

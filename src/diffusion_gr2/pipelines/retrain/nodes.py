@@ -10,6 +10,7 @@ from typing import Any
 import mlflow
 import pandas as pd
 
+from diffusion_gr2.core.rank.rerank import SERVED_DIFFUSION
 from diffusion_gr2.core.tracking import model_card, registry
 from diffusion_gr2.core.tracking.gate import GateConfig, newest_slice
 from diffusion_gr2.core.tracking.ingest import IngestConfig, acquire_lock, ingest, release_lock
@@ -79,24 +80,27 @@ def _serving(
 
 
 def choose_operating_point(
-    model_rl: Any, model_ar_rl: Any, requests: pd.DataFrame, tokenizer: Any, inference: dict[str, Any]
+    model_diffusion: Any, model_ar_rl: Any, requests: pd.DataFrame, tokenizer: Any, inference: dict[str, Any]
 ) -> dict[str, Any]:
-    """`rl`'s operating point for the models this retrain trained, on its validation requests.
+    """The served diffusion system's operating point for the models this retrain trained, on its
+    validation requests.
 
-    The inference stage's own rule and passes (`rerank_ar_rl` as the reference, then `rerank_rl`'s
-    candidates), on the validation split only: the test passes are the default run's report, and the
-    gate measures the challenger on the newest test requests itself.
+    The inference stage's own rule and passes (`rerank_ar_rl` as the reference, then the served
+    system's candidates), on the validation split only: the test passes are the default run's report,
+    and the gate measures the challenger on the newest test requests itself.
     """
     from diffusion_gr2.pipelines.inference.nodes import make_rerank_node
 
     valid = {**inference, "splits": ["valid"]}
     reference = make_rerank_node("ar_rl")(model_ar_rl, requests, tokenizer, valid)
-    result = make_rerank_node("rl")(model_rl, requests, tokenizer, valid, reference, model_ar_rl)
-    return {} if result["operating_point"] is None else {"rl": result["operating_point"]}
+    result = make_rerank_node(SERVED_DIFFUSION)(
+        model_diffusion, requests, tokenizer, valid, reference, model_ar_rl
+    )
+    return {} if result["operating_point"] is None else {SERVED_DIFFUSION: result["operating_point"]}
 
 
 def register_models(
-    model_rl: Any,
+    model_diffusion: Any,
     model_ar_rl: Any,
     items: pd.DataFrame,
     sids: pd.DataFrame,
@@ -105,30 +109,36 @@ def register_models(
     traces: dict[str, Any],
     inference: dict[str, Any],
 ) -> dict[str, str | None]:
-    """Register `ar_rl` as a new `diffusion-gr2-teacher` version, `rl` as `diffusion-gr2` and the
-    pre-rank (this run's catalogue) as `diffusion-gr2-prerank`, each its model's challenger.
+    """Register `ar_rl` as a new `diffusion-gr2-teacher` version, the served diffusion system
+    (`SERVED_DIFFUSION`) as `diffusion-gr2` and the pre-rank (this run's catalogue) as
+    `diffusion-gr2-prerank`, each its model's challenger. The versions are keyed by role: ``teacher``,
+    ``diffusion``, ``prerank``.
 
     The model objects only order the node after training; the saved folders are what is registered.
-    When `rl` has no operating point it is not registered (a model validation refused never becomes
-    a challenger): its version is None and `not_registered` says why; the teacher still is, and goes
-    through its own gate (`core/tracking/promotion.py`).
+    When the diffusion system has no operating point it is not registered (a model validation refused
+    never becomes a challenger): its version is None and `not_registered` says why; the teacher still
+    is, and goes through its own gate (`core/tracking/promotion.py`).
     """
     configs, not_registered = {}, None
-    for system in ("ar_rl", "rl"):
+    for system in ("ar_rl", SERVED_DIFFUSION):
         try:
             configs[system] = _serving(system, operating_point, params, traces, inference)
         except NoOperatingPoint as err:
             not_registered = (
-                f"rl not registered: {err} (set retrain.register_without_operating_point to register it "
-                f"at the fallback tau {params['fallback_tau']}, tagged as such)"
+                f"{system} not registered: {err} (set retrain.register_without_operating_point to "
+                f"register it at the fallback tau {params['fallback_tau']}, tagged as such)"
             )
             logger.warning("%s", not_registered)
     digests, run = DigestCache(), mlflow.active_run()
-    refs: dict[str, str | None] = {"rl": None}
-    for system, name in (("ar_rl", registry.TEACHER_MODEL), ("rl", registry.DIFFUSION_MODEL)):
+    refs: dict[str, str | None] = {"diffusion": None}
+    roles = (
+        ("teacher", "ar_rl", registry.TEACHER_MODEL),
+        ("diffusion", SERVED_DIFFUSION, registry.DIFFUSION_MODEL),
+    )
+    for role, system, name in roles:
         if system not in configs:
             continue
-        folder = Path(params["model_dirs"][system])
+        folder = Path(params["model_dirs"][role])
         config, source = configs[system]
         tags = {
             "lineage.model.name": f"model_{system}",
@@ -137,9 +147,9 @@ def register_models(
             "lineage.model.run_id": run.info.run_id if run else "",
             "operating_point.source": source[:5000],
         }
-        if system == "rl":
-            tags["teacher_version"] = refs["ar_rl"]
-        refs[system] = registry.register_reranker(name, folder, items, sids, config, tags).version
+        if role == "diffusion":
+            tags["teacher_version"] = refs["teacher"]
+        refs[role] = registry.register_reranker(name, folder, items, sids, config, tags).version
     prerank = ServingConfig(system=PRERANK, tau=None, limits=dict(params.get("limits") or {}))
     run_tag = {"lineage.model.run_id": run.info.run_id if run else ""}
     refs["prerank"] = registry.register_reranker(

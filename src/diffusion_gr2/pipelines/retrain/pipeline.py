@@ -1,10 +1,10 @@
-"""retrain: decide → fresh files → the default DAG on the merged data (warm or cold) → rl's operating point
-on validation → register → gate → promote.
+"""retrain: decide → fresh files → the default DAG on the merged data (warm or cold) → the served
+diffusion system's operating point on validation → register → gate → promote.
 
 The first node decides whether there is anything to retrain (`decision.py`): nothing new and a
 champion serving stops the run there, under Kedro or Airflow.
 
-`registration_pipeline` (register the trained `rl`/`ar_rl`, gate, promote) is also the pipeline
+`registration_pipeline` (register the trained diffusion system and `ar_rl`, gate, promote) is also the pipeline
 ``register`` (its own folder, `pipelines/register`): after a first `kedro run` it puts the models in
 the registry (the first passing version becomes champion).
 """
@@ -16,6 +16,7 @@ from importlib import import_module
 
 from kedro.pipeline import Node, Pipeline
 
+from diffusion_gr2.core.rank.rerank import SERVED_DIFFUSION
 from diffusion_gr2.pipelines import TRAINING_STAGES
 
 from .decision import DECISION, DECISION_NODE, after_decision, decide_retrain
@@ -37,7 +38,7 @@ def registration_pipeline() -> Pipeline:
             Node(
                 register_models,
                 [
-                    "model_rl",
+                    f"model_{SERVED_DIFFUSION}",
                     "model_ar_rl",
                     "items",
                     "sids",
@@ -73,6 +74,7 @@ BUDGETED_NODES = (
     "train_cft",
     "train_opd",
     "train_diffusion_rl",
+    "train_distilled",
 )
 
 
@@ -124,7 +126,7 @@ def retrain_pipeline() -> Pipeline:
         [
             Node(
                 choose_operating_point,
-                ["model_rl", "model_ar_rl", "requests", "tokenizer", "params:inference"],
+                [f"model_{SERVED_DIFFUSION}", "model_ar_rl", "requests", "tokenizer", "params:inference"],
                 "operating_point",
                 name="choose_operating_point",
             )

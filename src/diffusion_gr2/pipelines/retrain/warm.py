@@ -29,6 +29,7 @@ import numpy as np
 import pandas as pd
 from mlflow import MlflowClient
 
+from diffusion_gr2.core.rank.rerank import SERVED_DIFFUSION
 from diffusion_gr2.core.tracking import registry
 from diffusion_gr2.core.tracking.mlflow_utils import as_metrics_history
 
@@ -38,10 +39,10 @@ logger = logging.getLogger(__name__)
 # as an input, under the dataset name its producer wrote it as, so the walk crosses into the run
 # that trained the champion.
 CHAMPION_INPUTS = {
-    "fit_item_sids": ("rl", "catalogue"),
+    "fit_item_sids": (SERVED_DIFFUSION, "catalogue"),
     "train_tokenizer": ("ar_rl", "model"),
     "build_ar_model": ("ar_rl", "model"),
-    "convert_teacher": ("rl", "model"),
+    "convert_teacher": (SERVED_DIFFUSION, "model"),
 }
 
 
@@ -72,7 +73,10 @@ def plan_warm_start(params: dict[str, Any], ingest_report: dict[str, Any]) -> di
             "cannot tell which teacher shares its vocabulary; retrain cold (retrain.warm_start.enabled: false)"
         )
     teacher_ref = client.get_model_version(registry.TEACHER_MODEL, teacher)
-    refs = {"rl": champion, "ar_rl": registry.VersionRef(registry.TEACHER_MODEL, teacher, teacher_ref.run_id)}
+    refs = {
+        SERVED_DIFFUSION: champion,
+        "ar_rl": registry.VersionRef(registry.TEACHER_MODEL, teacher, teacher_ref.run_id),
+    }
     models = {}
     for system, ref in refs.items():
         files = registry.download_version(ref, Path(warm["dir"]) / system)
@@ -142,7 +146,7 @@ def warm_sids(fit: Callable[..., Any]) -> Callable[..., Any]:
             **carried.report,
             "embedding_model": info["embedding_model"],
             "embedding_sha256": info["embedding_sha256"],
-            "champion_version": plan["models"]["rl"]["version"],
+            "champion_version": plan["models"][SERVED_DIFFUSION]["version"],
         }
         logger.info("SIDs carried over from the champion: %s", carried.report)
         return sids_frame(carried.codes), report, as_metrics_history(report)
@@ -162,7 +166,7 @@ def warm_tokenizer(train: Callable[..., Any]) -> Callable[..., Any]:
         folder = _folder(plan, "train_tokenizer")
         tokenizer = PreTrainedTokenizerFast.from_pretrained(str(folder), local_files_only=True)
         vocab = tokenizer.get_vocab()
-        diffusion = Path(plan["models"]["rl"]["model"])
+        diffusion = Path(plan["models"][SERVED_DIFFUSION]["model"])
         if (
             PreTrainedTokenizerFast.from_pretrained(str(diffusion), local_files_only=True).get_vocab()
             != vocab
