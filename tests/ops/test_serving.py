@@ -22,6 +22,12 @@ import mlflow
 import pytest
 
 from diffusion_gr2.core.tracking import registry
+from diffusion_gr2.core.tracking.request_log import (
+    RequestLogConfig,
+    ServedModel,
+    read_log,
+    server_environment,
+)
 from diffusion_gr2.pipelines.rerank.nodes import rerank_files
 from tests.conftest import empty_mlflow_store
 from tests.ops.conftest import World
@@ -52,15 +58,26 @@ def champion(world: World, tmp_path_factory: pytest.TempPathFactory) -> Iterator
 
 
 @pytest.fixture(scope="module")
-def server(champion: tuple[str, str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    uri, _ = champion
+def request_log(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The folder the server's request log is written to."""
+    return tmp_path_factory.mktemp("request_log")
+
+
+@pytest.fixture(scope="module")
+def server(
+    champion: tuple[str, str], request_log: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[str]:
+    uri, version = champion
     port = free_port()
     log = tmp_path_factory.mktemp("serve") / "serve.log"
+    # the request log on, as `python -m diffusion_gr2 serve` turns it on
+    settings = RequestLogConfig(enabled=True, folder=str(request_log), max_bytes=1 << 20, backups=1)
     env = {
         **os.environ,
         "MLFLOW_TRACKING_URI": uri,
         "OMP_NUM_THREADS": "1",
         "PATH": f"{BIN}:{os.environ['PATH']}",
+        **server_environment(settings, ServedModel(registry.DIFFUSION_MODEL, version)),
     }
     cmd = [str(BIN / "mlflow"), "models", "serve", "-m", f"models:/{registry.DIFFUSION_MODEL}@champion"]
     cmd += ["--env-manager", "local", "-h", "127.0.0.1", "-p", str(port), "-w", "1"]
@@ -102,7 +119,7 @@ def post(base: str, body: bytes | dict) -> tuple[int, dict | str]:
 
 
 def test_the_served_champion_answers_and_refuses_malformed_requests_with_a_4xx(
-    server: str, world: World
+    server: str, world: World, request_log: Path, champion: tuple[str, str]
 ) -> None:
     row = world.candidates.iloc[0]
     good = {"history": world.raw(row.history), "candidates": world.raw(row.candidates), "request_id": "r1"}
@@ -139,6 +156,10 @@ def test_the_served_champion_answers_and_refuses_malformed_requests_with_a_4xx(
         status, text = post(server, body)
         assert 400 <= status < 500, (name, status, text)
         assert reason in str(text), (name, text)
+    # with the request log on: the one answered request, whole, with the version that answered it
+    logged, torn = read_log(request_log)
+    assert torn == 0 and logged["request_id"].tolist() == ["r1"]
+    assert logged["ranking"].iloc[0] == answer["ranking"] and logged["model_version"].iloc[0] == champion[1]
 
 
 def test_the_rerank_pipeline_serves_request_files_and_names_each_refusal(
@@ -152,7 +173,8 @@ def test_the_rerank_pipeline_serves_request_files_and_names_each_refusal(
         },
         "day2": lambda: [{**good, "request_id": "no-history", "history": []}],
     }
-    out = rerank_files(files, {"model_uri": f"models:/{registry.DIFFUSION_MODEL}@champion"})
+    off = {"request_log": {"enabled": False, "folder": "unused", "max_bytes": 1 << 20, "backups": 0}}
+    out = rerank_files(files, {"model_uri": f"models:/{registry.DIFFUSION_MODEL}@champion"}, off)
     frame = out["reranked"].set_index("request_id")
     assert bool(frame.loc["ok", "ok"]) and sorted(frame.loc["ok", "ranking"]) == sorted(good["candidates"])
     assert "more than once" in frame.loc["dup", "error"] and "empty" in frame.loc["no-history", "error"]

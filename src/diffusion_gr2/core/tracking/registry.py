@@ -52,6 +52,7 @@ __all__ = [
     "download_version",
     "promote",
     "register_reranker",
+    "resolve_uri",
     "rollback",
     "served_champion",
     "version_summary",
@@ -167,6 +168,18 @@ def alias_version(name: str, alias: str, client: MlflowClient | None = None) -> 
     except MlflowException:
         return None
     return VersionRef(name, str(mv.version), mv.run_id)
+
+
+def resolve_uri(uri: str, client: MlflowClient | None = None) -> VersionRef | None:
+    """The version a ``models:/NAME@ALIAS`` or ``models:/NAME/VERSION`` URI names now; None for another
+    kind of URI (a run's or a folder's) or an alias the store does not hold."""
+    if not uri.startswith("models:/"):
+        return None
+    name, sep, alias = uri.removeprefix("models:/").partition("@")
+    if sep:
+        return alias_version(name, alias, client)
+    name, _, version = name.rpartition("/")
+    return VersionRef(name, version, None) if name and version.isdigit() else None
 
 
 def download_version(ref: VersionRef, dst: str | Path) -> dict[str, Path]:

@@ -14,6 +14,10 @@ call asks for it (the MLflow param `own_valid`; a diffusion model then decodes t
 the retriever's order (the candidates as sent), validated the same way and answered in the same
 format, labelled ``system: prerank``. A malformed request raises `RequestError` (an `MlflowException` with
 INVALID_PARAMETER_VALUE), which the scoring server returns as HTTP 400 with the reason.
+
+Both append every answered request to the request log (`core/tracking/request_log.py`) when the
+launcher (`python -m diffusion_gr2 serve`) put its settings in the environment; a request may carry
+the raw `user_id`, which only the log reads (the shadow evaluation joins the user's next interaction).
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ from diffusion_gr2.core.rank.rerank import (
 from diffusion_gr2.core.text.parser import apply_fallback, parse_answer
 from diffusion_gr2.core.text.prompt import ItemLookup, PromptConfig, build_messages
 from diffusion_gr2.core.text.tokenizer import IM_END, decode_response, encode_prompt
+from diffusion_gr2.core.tracking.request_log import RequestLogConfig, ServedModel, log_rows, open_log
 
 logger = logging.getLogger(__name__)
 
@@ -322,6 +327,7 @@ SIGNATURE = ModelSignature(
             ColSpec(_IDS, "history", required=False),
             ColSpec(_IDS, "candidates", required=False),
             ColSpec(DataType.string, "request_id", required=False),
+            ColSpec(DataType.string, "user_id", required=False),  # raw user id: the request log's only
         ]
     ),
     outputs=Schema(
@@ -359,21 +365,41 @@ def _records(model_input: Any) -> list[dict[str, Any]]:
     raise RequestError(f"expected a table of requests, got {type(model_input).__name__}")
 
 
-class RerankerModel(mlflow.pyfunc.PythonModel):
+class _LoggedModel(mlflow.pyfunc.PythonModel):
+    """A served model that appends each answered call to the request log (`request_log.py`)."""
+
+    ranker: Ranker | PrerankRanker
+
+    def _open_log(self) -> None:
+        self.request_log = open_log(RequestLogConfig.from_env())
+        self.served = ServedModel.from_env()
+        if self.request_log is None:
+            logger.info("request log off (no settings in the environment, or enabled: false)")
+
+    def predict(self, context, model_input, params=None):  # noqa: ANN001 (see load_context)
+        own_valid = bool((params or {}).get("own_valid", False))
+        records = _records(model_input)
+        answers = self.ranker.rank(self.ranker.parse(records), own_valid=own_valid)
+        log = getattr(self, "request_log", None)  # a model unpickled without load_context has none
+        if log is not None:
+            try:
+                log.append(log_rows(records, answers, self.served, "serve"))
+            except OSError as err:  # the answer still goes out: serving outranks its record
+                logger.error("request log: %d answers not logged: %s", len(answers), err)
+        return pd.DataFrame(answers)
+
+
+class RerankerModel(_LoggedModel):
     """The served re-ranker: artifacts `model` (folder), `catalogue` (folder), `serving` (JSON)."""
 
     def load_context(self, context):  # noqa: ANN001 (no hints: MLflow reads them as a schema)
         artifacts = context.artifacts
         config = ServingConfig.from_json(Path(artifacts["serving"]).read_text())
         self.ranker = Ranker.from_dir(artifacts["model"], artifacts["catalogue"], config)
-
-    def predict(self, context, model_input, params=None):  # noqa: ANN001 (see load_context)
-        own_valid = bool((params or {}).get("own_valid", False))
-        answers = self.ranker.rank(self.ranker.parse(_records(model_input)), own_valid=own_valid)
-        return pd.DataFrame(answers)
+        self._open_log()
 
 
-class PrerankModel(mlflow.pyfunc.PythonModel):
+class PrerankModel(_LoggedModel):
     """The served pre-rank: artifacts `catalogue` (folder) and `serving` (JSON); no model weights."""
 
     def load_context(self, context):  # noqa: ANN001 (no hints: MLflow reads them as a schema)
@@ -381,6 +407,4 @@ class PrerankModel(mlflow.pyfunc.PythonModel):
         config = ServingConfig.from_json(Path(artifacts["serving"]).read_text())
         items = pd.read_parquet(Path(artifacts["catalogue"]) / "items.parquet")
         self.ranker = PrerankRanker(items, config)
-
-    def predict(self, context, model_input, params=None):  # noqa: ANN001 (see load_context)
-        return pd.DataFrame(self.ranker.rank(self.ranker.parse(_records(model_input))))
+        self._open_log()

@@ -8,6 +8,14 @@ from typing import Any
 import mlflow
 import pandas as pd
 
+from diffusion_gr2.core.tracking.registry import resolve_uri
+from diffusion_gr2.core.tracking.request_log import (
+    RequestLog,
+    RequestLogConfig,
+    ServedModel,
+    log_rows,
+    open_log,
+)
 from diffusion_gr2.core.tracking.serving import Ranker, RequestError, parse_request
 
 RESULT_COLUMNS = [
@@ -33,8 +41,11 @@ def _records(content: Any) -> list[dict[str, Any]]:
     return [r if isinstance(r, Mapping) else {"history": None, "candidates": None} for r in content]
 
 
-def _file_rows(name: str, content: Any, ranker: Ranker) -> list[dict[str, Any]]:
-    """One row per request of one file; a malformed request gets its reason, the others are served."""
+def _file_rows(
+    name: str, content: Any, ranker: Ranker, log: RequestLog | None, served: ServedModel
+) -> list[dict[str, Any]]:
+    """One row per request of one file; a malformed request gets its reason, the others are served
+    (and appended to the request log, as the scoring server's answers are)."""
     try:
         records = _records(content)
     except RequestError as err:
@@ -54,7 +65,10 @@ def _file_rows(name: str, content: Any, ranker: Ranker) -> list[dict[str, Any]]:
     step = ranker.limits.max_requests
     for lo in range(0, len(good), step):
         chunk = good[lo : lo + step]
-        for (i, _), answer in zip(chunk, ranker.rank([req for _, req in chunk]), strict=True):
+        answers = ranker.rank([req for _, req in chunk])
+        if log is not None:
+            log.append(log_rows([records[i] for i, _ in chunk], answers, served, "rerank"))
+        for (i, _), answer in zip(chunk, answers, strict=True):
             rows[i] = {
                 "file": name,
                 "ok": True,
@@ -64,10 +78,21 @@ def _file_rows(name: str, content: Any, ranker: Ranker) -> list[dict[str, Any]]:
     return [r for r in rows if r is not None]
 
 
-def rerank_files(request_files: dict[str, Callable[[], Any]], params: dict[str, Any]) -> dict[str, Any]:
-    """Re-rank every request of every file with the model at `params["model_uri"]` (the champion)."""
-    ranker: Ranker = mlflow.pyfunc.load_model(params["model_uri"]).unwrap_python_model().ranker
-    rows = [row for name in sorted(request_files) for row in _file_rows(name, request_files[name](), ranker)]
+def rerank_files(
+    request_files: dict[str, Callable[[], Any]], params: dict[str, Any], serving: dict[str, Any]
+) -> dict[str, Any]:
+    """Re-rank every request of every file with the model at `params["model_uri"]` (the champion),
+    appending each answer to the request log (`serving.request_log`)."""
+    uri = params["model_uri"]
+    ranker: Ranker = mlflow.pyfunc.load_model(uri).unwrap_python_model().ranker
+    ref = resolve_uri(uri)
+    answered_by = ServedModel(ref.name if ref else None, ref.version if ref else None, uri)
+    log = open_log(RequestLogConfig(**serving["request_log"]))
+    rows = [
+        row
+        for name in sorted(request_files)
+        for row in _file_rows(name, request_files[name](), ranker, log, answered_by)
+    ]
     frame = pd.DataFrame(rows).reindex(columns=RESULT_COLUMNS)
     served = frame[frame["ok"]]
     report = {

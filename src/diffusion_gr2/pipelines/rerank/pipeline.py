@@ -10,7 +10,7 @@ def create_pipeline(**kwargs) -> Pipeline:
         [
             Node(
                 rerank_files,
-                ["rerank_requests", "params:rerank"],
+                ["rerank_requests", "params:rerank", "params:serving"],
                 {"reranked": "reranked", "rerank_report": "rerank_report"},
                 name="rerank_files",
             )
