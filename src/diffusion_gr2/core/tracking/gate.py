@@ -45,7 +45,9 @@ from diffusion_gr2.core.tracking.serving import Ranker, RequestError, parse_requ
 logger = logging.getLogger(__name__)
 
 __all__ = [
+    "Check",
     "GateConfig",
+    "at_least",
     "decide",
     "decide_teacher",
     "newest_slice",
@@ -195,7 +197,7 @@ class Check:
         return f"{self.name} = {self.value:.4f} {mark} {self.threshold:.4f} ({self.detail})"
 
 
-def _at_least(name: str, value: float, threshold: float, detail: str) -> Check:
+def at_least(name: str, value: float, threshold: float, detail: str) -> Check:
     return Check(name, float(value), float(threshold), bool(value >= threshold - 1e-12), detail)
 
 
@@ -213,7 +215,7 @@ def _non_inferior(
         f"challenger R@1 {challenger['recall@1']:.3f} vs {name} {other['recall@1']:.3f}, paired "
         f"{config.level:.0%} interval [{paired.low:+.3f}, {paired.high:+.3f}], margin {config.margin}"
     )
-    return _at_least(f"recall@1_vs_{name}.low", paired.low, -config.margin, detail), numbers
+    return at_least(f"recall@1_vs_{name}.low", paired.low, -config.margin, detail), numbers
 
 
 def _speed_check(challenger: float, teacher: float, config: GateConfig) -> tuple[Check, dict[str, float]]:
@@ -236,7 +238,7 @@ def _speed_check(challenger: float, teacher: float, config: GateConfig) -> tuple
         f"{float(challenger):.0f} vs {float(teacher):.0f} output tokens/s, speed-up {ratio.value:.2f}x, "
         f"interval [{ratio.low:.2f}, {ratio.high:.2f}] ({ratio.coverage:.0%}, {ratio.rounds} per-round ratios)"
     )
-    check = _at_least("speed_ratio_vs_ar_rl.low", ratio.low, config.min_speed_ratio, detail)
+    check = at_least("speed_ratio_vs_ar_rl.low", ratio.low, config.min_speed_ratio, detail)
     if ratio.coverage < config.level - 1e-12:
         detail += f"; too few timing rounds: {ratio.rounds} cover {ratio.coverage:.1%} < {config.level:.0%}"
         check = Check(check.name, check.value, check.threshold, False, detail)
@@ -244,7 +246,7 @@ def _speed_check(challenger: float, teacher: float, config: GateConfig) -> tuple
 
 
 def _own_valid(side: dict[str, Any], config: GateConfig) -> Check:
-    return _at_least(
+    return at_least(
         "unforced_rate",
         side["unforced_rate"],
         config.min_unforced_rate,
@@ -287,8 +289,12 @@ def decide(
     prerank: dict[str, Any],
     config: GateConfig,
     users: Sequence[Any] | None = None,
+    shadow: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Promote when every check passes (module docstring), else refuse naming the checks that failed.
+
+    `shadow` (`core/tracking/shadow.py`: the challenger on the champion's logged requests) adds its
+    ``checks`` and ``numbers``; the report keeps the rest of it under ``shadow``.
 
     Each side holds ``hits`` (per request, the same requests in the same order), ``recall@1``, and for
     the models ``valid_rate``, ``unforced_rate`` and ``output_tokens_per_s``. R@1 comparisons are
@@ -322,9 +328,15 @@ def decide(
         "teacher.tokens_per_s": float(teacher["output_tokens_per_s"]),
         "n_requests": challenger["n"],
     }
+    if shadow is not None:
+        checks += shadow["checks"]
+        numbers |= shadow["numbers"]
     first = "" if champion else " (no champion yet: compared with the teacher)"
     sides = {"challenger": challenger, "champion": champion, "teacher": teacher, "prerank": prerank}
-    return _verdict(checks, numbers, config, first, sides)
+    report = _verdict(checks, numbers, config, first, sides)
+    if shadow is not None:
+        report["shadow"] = {k: v for k, v in shadow.items() if k != "checks"}
+    return report
 
 
 def decide_teacher(

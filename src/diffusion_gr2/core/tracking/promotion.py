@@ -66,6 +66,7 @@ def gate_and_promote(
     config: GateConfig,
     load: Callable[[str], Ranker],
     client: MlflowClient | None = None,
+    shadow: Callable[[Ranker], dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """Gate the new versions (`versions`: ``diffusion``, ``teacher``, ``prerank`` version numbers, None
     when not registered, and ``not_registered``: why the diffusion model is not), promote what passes,
@@ -73,7 +74,9 @@ def gate_and_promote(
 
     The report is the diffusion model's gate (``decision``: promote, refuse or not_registered, with
     ``checks`` and ``numbers``), the teacher's under ``teacher_gate``, and ``serving``: the one line
-    saying what serves now and why. `load` turns a model URI into its `Ranker`.
+    saying what serves now and why. `load` turns a model URI into its `Ranker`. `shadow` replays the
+    champion's logged requests through the diffusion challenger (`shadow.evaluate`); its checks join
+    the diffusion gate's.
     """
     client = client or MlflowClient()
     names = {"diffusion": registry.DIFFUSION_MODEL, "teacher": registry.TEACHER_MODEL}
@@ -100,7 +103,10 @@ def gate_and_promote(
         )
         rates = speeds({role: rankers[key] for role, key in timed.items()}, same, config)
         sides = {role: scores[key] | {"output_tokens_per_s": rates[role]} for role, key in timed.items()}
-        report = decide(sides["challenger"], sides.get("champion"), sides["teacher"], prerank, config, users)
+        replay = shadow(rankers["diffusion"]) if shadow is not None else None
+        report = decide(
+            sides["challenger"], sides.get("champion"), sides["teacher"], prerank, config, users, replay
+        )
         _tag(client, names["diffusion"], new["diffusion"], report)
         if report["decision"] == "promote":
             registry.promote(names["diffusion"], new["diffusion"], report["reasons"], client)
