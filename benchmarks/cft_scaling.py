@@ -23,7 +23,6 @@ from pathlib import Path
 
 import pandas as pd
 import torch
-import yaml
 from transformers import AutoTokenizer
 
 from diffusion_gr2.core.evaluate.rankings import stage_metrics
@@ -37,6 +36,7 @@ from diffusion_gr2.core.train.stages import (
     policy_block_size,
     supervised_loss,
 )
+from diffusion_gr2.parameters import file_parameters
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -65,7 +65,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("cft_scaling.json"))
     args = parser.parse_args()
 
-    params = yaml.safe_load(args.params.read_text())["cft"]
+    params = file_parameters(args.params)["cft"]
     tokenizer = AutoTokenizer.from_pretrained(args.models / "tokenizer", local_files_only=True)
     examples = pd.read_parquet(args.data / "sft_examples.parquet")
     requests = select_requests(pd.read_parquet(args.data / "requests.parquet"), args.split, args.max_users)

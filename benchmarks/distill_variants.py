@@ -37,6 +37,7 @@ from diffusion_gr2.core.train.stages import (
     supervised_loss,
 )
 from diffusion_gr2.core.train.trajectory import TrajectoryConfig, kept_trajectories, record_trajectories
+from diffusion_gr2.parameters import file_parameters
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -71,8 +72,8 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
-    base = yaml.safe_load(args.params.read_text())["distill"]
-    decoding = RerankConfig(**yaml.safe_load(args.inference.read_text())["inference"]["decoding"])
+    base = file_parameters(args.params)["distill"]
+    decoding = RerankConfig(**file_parameters(args.inference)["inference"]["decoding"])
     tokenizer = AutoTokenizer.from_pretrained(args.models / "tokenizer", local_files_only=True)
     requests = pd.read_parquet(args.requests)
     train_requests = requests[requests["split"] == "train"].reset_index(drop=True)

@@ -22,7 +22,6 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
-import yaml
 from sklearn.linear_model import LogisticRegression
 
 from diffusion_gr2.core.text.prompt import ItemLookup, PromptConfig
@@ -32,6 +31,7 @@ from diffusion_gr2.core.text.traces import (
     examples_from_frame,
     popularity_from_histories,
 )
+from diffusion_gr2.parameters import file_parameters
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -86,7 +86,7 @@ def main() -> None:
     parser.add_argument("--params", type=Path, default=ROOT / "conf/base/parameters_traces.yml")
     args = parser.parse_args()
 
-    params = yaml.safe_load(args.params.read_text())["traces"]
+    params = file_parameters(args.params)["traces"]
     prompt = PromptConfig(**params["prompt"])
     items = pd.read_parquet(args.data / "03_primary/items.parquet")
     sids = pd.read_parquet(args.data / "04_feature/sids.parquet")

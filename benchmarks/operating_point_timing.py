@@ -20,12 +20,12 @@ from pathlib import Path
 
 import pandas as pd
 import torch
-import yaml
 from transformers import AutoTokenizer
 
 from diffusion_gr2.core.bench.benchmark import BenchmarkConfig, ranked_speed, time_candidates
 from diffusion_gr2.core.model.factory import load_model
 from diffusion_gr2.core.rank.rerank import RerankConfig, request_grammars, select_requests
+from diffusion_gr2.parameters import file_parameters
 from diffusion_gr2.pipelines.inference.nodes import operating_point_settings
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -42,7 +42,7 @@ def main() -> None:
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    params = yaml.safe_load(args.params.read_text())["inference"]
+    params = file_parameters(args.params)["inference"]
     point = params["operating_point"]
     bench = BenchmarkConfig.from_params(point["timing"])
     tokenizer = AutoTokenizer.from_pretrained(args.models / "tokenizer", local_files_only=True)

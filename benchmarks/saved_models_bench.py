@@ -23,12 +23,12 @@ from pathlib import Path
 
 import pandas as pd
 import torch
-import yaml
 from transformers import AutoTokenizer
 
 from diffusion_gr2.core.bench.benchmark import BenchmarkConfig, benchmark_requests, format_table
 from diffusion_gr2.core.model.factory import load_model
 from diffusion_gr2.core.rank.rerank import RerankConfig
+from diffusion_gr2.parameters import file_parameters
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -50,7 +50,7 @@ def main() -> None:
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
 
-    params = yaml.safe_load(args.params.read_text())["benchmark"]
+    params = file_parameters(args.params)["benchmark"]
     config = BenchmarkConfig.from_params(params["timing"])
     if args.rounds is not None:
         config = dataclasses.replace(config, rounds=args.rounds)

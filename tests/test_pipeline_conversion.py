@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
 from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
 from diffusion_gr2.core.model.diffusion import as_block_diffusion
 from diffusion_gr2.core.model.factory import load_model, save_model
+from diffusion_gr2.parameters import file_parameters
 from diffusion_gr2.pipelines.conversion import nodes
 from tests.conftest import isolated_project, run_kedro
 from tests.core.model.tiny import tiny_model_for
@@ -34,7 +34,7 @@ def test_converted_model_on_disk_is_the_teacher_with_block_size_and_mask(
     conversion_run: tuple[Path, PreTrainedModel],
 ) -> None:
     root, teacher = conversion_run
-    params = yaml.safe_load((root / "conf/smoke/parameters_training.yml").read_text())["conversion"]
+    params = file_parameters(root / "conf/smoke/parameters_training.yml")["conversion"]
     naive = load_model(root / "data/06_models/naive")  # rejects missing / unexpected keys
     assert naive.config.block_size == params["block_size"] > 1
     tokenizer = PreTrainedTokenizerFast.from_pretrained(root / "data/06_models/tokenizer")

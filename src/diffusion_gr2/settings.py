@@ -27,6 +27,10 @@ CONFIG_LOADER_CLASS = OmegaConfigLoader
 CONFIG_LOADER_ARGS = {
     "base_env": "base",
     "default_run_env": "local",
+    # An environment (conf/smoke, conf/gpu, conf/airflow, conf/local) holds only what it changes:
+    # its parameters are merged into base's key by key (Kedro's soft merge), not block by block, so a
+    # block it names keeps every base key it does not (tests/test_config.py checks each env's files).
+    "merge_strategy": {"parameters": "soft"},
     # `${env:NAME,default}` lets conf/ read overrides such as MLFLOW_TRACKING_URI.
     "custom_resolvers": {"env": lambda name, default=None: os.environ.get(name, default)},
 }

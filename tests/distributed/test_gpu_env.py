@@ -56,7 +56,8 @@ def test_the_gpu_environment_loads_with_a_pretrained_model_bf16_and_the_papers_b
 ) -> None:
     monkeypatch.setenv("DIFFUSION_GR2_PRETRAINED", "/models/Qwen3-8B")
     params = OmegaConfigLoader(str(PROJECT_ROOT / "conf"), env="gpu", **CONFIG_LOADER_ARGS)["parameters"]
-    assert params["teacher_sft"]["model"] == {"kind": "pretrained", "path": "/models/Qwen3-8B", "seed": 0}
+    model = params["teacher_sft"]["model"]  # base's sizes stay beside: they apply to kind config only
+    assert (model["kind"], model["path"], model["seed"]) == ("pretrained", "/models/Qwen3-8B", 0)
     assert params["conversion"]["block_size"] == 32 and params["teacher_midtrain"]["train"]["max_steps"] == 0
     stages = ("teacher_midtrain", "teacher_sft", "teacher_rl", "cft", "opd", "rl")
     assert {params[s]["train"]["mixed_precision"] for s in stages} == {"bf16"}
@@ -83,14 +84,23 @@ def _smoke_sized(smoke: dict, gpu: dict) -> dict:
     return merged
 
 
+def _over_base(env_file: Path) -> dict:
+    """The top-level keys an environment's file names, each merged over base's (the soft merge),
+    unresolved."""
+    base, env = (OmegaConf.load(p) for p in (PROJECT_ROOT / "conf" / "base" / env_file.name, env_file))
+    return {
+        k: OmegaConf.to_container(OmegaConf.merge(base.get(k, {}), v), resolve=False) for k, v in env.items()
+    }
+
+
 def _gpu_at_smoke_sizes(project: Path) -> None:
     """conf/gpu_at_smoke_sizes/: the smoke environment, with conf/gpu's settings at smoke sizes."""
     target = project / "conf" / "gpu_at_smoke_sizes"
     target.mkdir()
     for smoke_file in sorted((PROJECT_ROOT / "conf" / "smoke").glob("*.yml")):
-        smoke = OmegaConf.to_container(OmegaConf.load(smoke_file), resolve=False)
+        smoke = _over_base(smoke_file)  # environment files hold deltas: each as merged over base
         gpu_file = PROJECT_ROOT / "conf" / "gpu" / smoke_file.name
-        gpu = OmegaConf.to_container(OmegaConf.load(gpu_file), resolve=False) if gpu_file.exists() else {}
+        gpu = _over_base(gpu_file) if gpu_file.exists() else {}
         merged = _smoke_sized(smoke, gpu)
         merged.pop("_train", None)  # an anchor's holder, already expanded
         for name, stage in merged.items():  # a 135M model on two cores: one step each is enough
