@@ -243,6 +243,7 @@ def diffusion_gr2():
     tasks["train-distilled"] >> tasks["register-models"]
     tasks["gate-requests"] >> tasks["run-gate"]
     tasks["register-models"] >> tasks["run-gate"]
+    tasks["take-in-incoming"] >> tasks["run-gate"]
 
 
 diffusion_gr2()

@@ -38,6 +38,11 @@ def register(world: World, system: str, **decoding) -> str:
     return registry.register_reranker(name, world.models[system], world.items, world.sids, config).version
 
 
+# the request log off and no shadow evaluation: these tests gate on the offline slice alone
+# (the shadow evaluation on logged traffic: test_shadow.py)
+SERVING = {"request_log": {"enabled": False, "folder": "unused", "max_bytes": 1 << 20, "backups": 0}}
+
+
 def params(tmp_path: Path, **gate_overrides: float) -> dict:
     gate = {
         "slice_share": 1.0,
@@ -49,7 +54,7 @@ def params(tmp_path: Path, **gate_overrides: float) -> dict:
         "speed_rounds": 6,  # the fewest whose range covers the 95% level
         **gate_overrides,
     }
-    return {"gate": gate, "lock_file": str(tmp_path / ".retrain.lock")}
+    return {"gate": gate, "shadow": {"enabled": False}, "lock_file": str(tmp_path / ".retrain.lock")}
 
 
 def test_gate_promotes_a_passing_challenger_and_refuses_a_worse_one(
@@ -58,7 +63,7 @@ def test_gate_promotes_a_passing_challenger_and_refuses_a_worse_one(
     # the registry's side of the gate; random models are held to no R@1 floor here (margin 1)
     loose = params(tmp_path, margin=1.0)
     first = {"diffusion": register(world, "rl"), "teacher": register(world, "ar_rl")}
-    report = run_gate(first, requests(world), loose)["gate_report"]
+    report = run_gate(first, requests(world), loose, SERVING)["gate_report"]
     assert report["decision"] == "promote" and report["champion_version"] is None  # first version
     assert registry.alias_version(registry.DIFFUSION_MODEL, registry.CHAMPION).version == first["diffusion"]
     assert registry.alias_version(registry.TEACHER_MODEL, registry.CHAMPION).version == first["teacher"]
@@ -67,7 +72,7 @@ def test_gate_promotes_a_passing_challenger_and_refuses_a_worse_one(
         "diffusion": register(world, "rl"),
         "teacher": register(world, "ar_rl"),
     }  # as good as the champion
-    report = run_gate(same, requests(world), loose)["gate_report"]
+    report = run_gate(same, requests(world), loose, SERVING)["gate_report"]
     assert report["decision"] == "promote" and report["numbers"]["recall@1_vs_champion"] == 0.0
     # the same weights answer alike: the paired interval is the point itself
     assert (
@@ -79,7 +84,9 @@ def test_gate_promotes_a_passing_challenger_and_refuses_a_worse_one(
     # Timed on one round: its speed-up's range covers 0% of the stated 95%, so the speed check fails
     # whatever the floor (here 0).
     hasty = {"diffusion": register(world, "rl"), "teacher": same["teacher"]}
-    report = run_gate(hasty, requests(world), params(tmp_path, margin=1.0, speed_rounds=1))["gate_report"]
+    report = run_gate(hasty, requests(world), params(tmp_path, margin=1.0, speed_rounds=1), SERVING)[
+        "gate_report"
+    ]
     assert report["decision"] == "refuse" and report["decided_by"] == ["speed_ratio_vs_ar_rl.low"]
     assert "too few timing rounds: 1 cover 0.0% < 95%" in report["reasons"]
     assert registry.alias_version(registry.DIFFUSION_MODEL, registry.CHAMPION).version == same["diffusion"]
@@ -92,7 +99,7 @@ def test_gate_promotes_a_passing_challenger_and_refuses_a_worse_one(
 def test_own_answers_repaired_by_the_grammar_are_refused(store: str, world: World, tmp_path: Path) -> None:
     """Served under the grammar every answer of a random model is valid; its own answers are not."""
     versions = {"diffusion": register(world, "rl"), "teacher": register(world, "ar_rl")}
-    report = run_gate(versions, requests(world), params(tmp_path, margin=1.0, min_unforced_rate=0.5))
+    report = run_gate(versions, requests(world), params(tmp_path, margin=1.0, min_unforced_rate=0.5), SERVING)
     report = report["gate_report"]
     assert report["numbers"]["valid_rate"] == 1.0 and report["numbers"]["unforced_rate"] == 0.0
     assert report["decision"] == "refuse" and report["decided_by"] == ["unforced_rate"]
@@ -251,7 +258,7 @@ def test_a_refused_operating_point_registers_the_teacher_and_the_prerank_not_the
     versions = register_models(None, None, world.items, world.sids, chosen, retrain, traces, inference)
     assert versions["diffusion"] is None and refused in versions["not_registered"]
     assert versions["teacher"] == "1" and versions["prerank"] == "1"
-    report = run_gate(versions, requests(world), retrain)["gate_report"]
+    report = run_gate(versions, requests(world), retrain, SERVING)["gate_report"]
     assert report["decision"] == "not_registered" and refused in report["reasons"]
     assert report["teacher_gate"]["decision"] == "refuse"
     names = {m.name for m in mlflow.MlflowClient().search_registered_models()}

@@ -33,6 +33,7 @@ __all__ = [
     "IngestConfig",
     "RetrainLockedError",
     "acquire_lock",
+    "delivered_interactions",
     "ingest",
     "pending_delivery",
     "read_interactions",
@@ -124,6 +125,20 @@ def read_interactions(files: list[Path]) -> pd.DataFrame:
         return read_raw(tmp, ReadConfig(max_reject_share=1.0)).interactions
 
 
+def delivered_interactions(report: dict[str, Any] | None) -> pd.DataFrame:
+    """The rows an ingest merged (its report's ``merged_as`` files in its raw folder), parsed; empty
+    when it merged none. The shadow evaluation reads users' next interactions from them."""
+    files = [
+        Path(report["raw_folder"], f["merged_as"])
+        for f in (report or {}).get("files", [])
+        if "merged_as" in f
+    ]
+    missing = [str(p) for p in files if not p.is_file()]
+    if missing:
+        raise FileNotFoundError(f"the ingest report names merged files that are gone: {missing[:5]}")
+    return read_interactions(files) if files else pd.DataFrame(columns=RAW_INTERACTION_COLUMNS)
+
+
 def pending_delivery(config: IngestConfig) -> tuple[dict[str, Any], pd.DataFrame]:
     """(the dry run's ingest report, the rows a retrain would merge now, parsed): nothing moves.
 
@@ -177,9 +192,8 @@ def _take_in(config: IngestConfig, dry_run: bool) -> tuple[dict[str, Any], dict[
             done.mkdir(exist_ok=True)
             shutil.move(str(path), done / path.name)
         status = "merged" if new else "duplicate"
-        report["files"].append(
-            {"file": path.name, "md5": digest, "status": status, "rows": rows, "new_rows": len(new)}
-        )
+        entry = {"file": path.name, "md5": digest, "status": status, "rows": rows, "new_rows": len(new)}
+        report["files"].append(entry | ({"merged_as": _merged_name(path, digest)} if new else {}))
         logger.info("%s: %d rows, %d new, %s", path.name, rows, len(new), status)
     report["new_rows"] = sum(f.get("new_rows", 0) for f in report["files"])
     report["quarantined"] = sum(f["status"] == "quarantined" for f in report["files"])

@@ -18,7 +18,7 @@ champion logged, and the gate gets checks on:
   users (`metrics.paired_bootstrap`, the gate's margin and level).
 
 A check with fewer requests than its minimum fails and says so: too little traffic never passes for
-a good challenger.
+a good challenger. With nothing serving yet (a first registration) there is no traffic and no check.
 """
 
 from __future__ import annotations
@@ -131,12 +131,14 @@ def evaluate(
     logged); `load` turns its URI into a ranker for the paired latency; `log` is `read_log`'s frame;
     `delivered` the delivery's raw rows (``raw_user_id, raw_item_id, timestamp``).
     """
-    rows = champion_requests(log, champion, config.last_requests) if champion else log.head(0)
-    champ = load(champion.uri) if champion is not None and not rows.empty else None
+    if champion is None:  # a first registration: nothing has served, so there is nothing to replay
+        return {"champion": None, "requests": 0, "checks": [], "numbers": {}, "skipped": "nothing serves yet"}
+    rows = champion_requests(log, champion, config.last_requests)
+    champ = load(champion.uri) if not rows.empty else None
     rankers = [challenger] + ([champ] if champ is not None else [])
     rows = servable(rows, rankers) if not rows.empty else rows  # items a catalogue lacks: left out
     n = len(rows)
-    report: dict[str, Any] = {"champion": asdict(champion) if champion else None, "requests": n}
+    report: dict[str, Any] = {"champion": asdict(champion), "requests": n}
     if n < config.min_requests:
         names = ["top1_agreement", "rank_correlation", "unforced_rate", "speedup_vs_champion.low"]
         checks = [_too_few(f"shadow.{x}", n, config.min_requests, "logged requests") for x in names]

@@ -11,12 +11,19 @@ import mlflow
 import pandas as pd
 
 from diffusion_gr2.core.rank.rerank import SERVED_DIFFUSION
-from diffusion_gr2.core.tracking import model_card, registry
+from diffusion_gr2.core.tracking import model_card, registry, shadow
 from diffusion_gr2.core.tracking.gate import GateConfig, newest_slice
-from diffusion_gr2.core.tracking.ingest import IngestConfig, acquire_lock, ingest, release_lock
+from diffusion_gr2.core.tracking.ingest import (
+    IngestConfig,
+    acquire_lock,
+    delivered_interactions,
+    ingest,
+    release_lock,
+)
 from diffusion_gr2.core.tracking.lineage import DigestCache
 from diffusion_gr2.core.tracking.mlflow_utils import as_metrics_history
 from diffusion_gr2.core.tracking.promotion import gate_and_promote
+from diffusion_gr2.core.tracking.request_log import RequestLogConfig, read_log
 from diffusion_gr2.core.tracking.serving import PRERANK, Ranker, ServingConfig
 
 logger = logging.getLogger(__name__)
@@ -169,13 +176,47 @@ def _ranker(uri: str) -> Ranker:
     return mlflow.pyfunc.load_model(uri).unwrap_python_model().ranker
 
 
-def run_gate(versions: dict[str, Any], requests: pd.DataFrame, params: dict[str, Any]) -> dict[str, Any]:
+def _shadow(
+    params: dict[str, Any], serving: dict[str, Any], ingest_report: dict[str, Any] | None
+) -> Callable[[Ranker], dict[str, Any]] | None:
+    """The shadow evaluation of a challenger on the request log of the champion serving now (before
+    the gate moves it), with this retrain's delivery as feedback; None when `retrain.shadow` is off."""
+    config = shadow.ShadowConfig(**params["shadow"])
+    if not config.enabled:
+        return None
+    served = registry.served_champion().ref
+    log_config = RequestLogConfig(**serving["request_log"])
+    log, torn = read_log(log_config.folder) if log_config.enabled else (pd.DataFrame(), 0)
+    delivered = delivered_interactions(ingest_report)
+    gate = GateConfig(**params["gate"])
+
+    def replay(challenger: Ranker) -> dict[str, Any]:
+        report = shadow.evaluate(challenger, served, _ranker, log, delivered, gate, config)
+        return report | {
+            "log": log_config.folder,
+            "torn_rows_skipped": torn,
+            "delivered_rows": len(delivered),
+        }
+
+    return replay
+
+
+def run_gate(
+    versions: dict[str, Any],
+    requests: pd.DataFrame,
+    params: dict[str, Any],
+    serving: dict[str, Any],
+    ingest_report: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """Gate the new versions, promote what passes, else the pre-rank (`promotion.gate_and_promote`); log it.
 
-    The retrain lock is released however the gate ends.
+    The diffusion challenger also replays the champion's logged requests (`_shadow`; feedback from
+    `ingest_report`'s delivery, none after a first run). The retrain lock is released however the gate ends.
     """
     try:
-        result = gate_and_promote(versions, requests, GateConfig(**params["gate"]), _ranker)
+        config = GateConfig(**params["gate"])
+        replay = _shadow(params, serving, ingest_report)
+        result = gate_and_promote(versions, requests, config, _ranker, shadow=replay)
         if mlflow.active_run() is not None:
             mlflow.set_tags(
                 {

@@ -31,8 +31,11 @@ from .nodes import (
 from .warm import plan_warm_start, warm_budget, warm_conversion, warm_sids, warm_teacher, warm_tokenizer
 
 
-def registration_pipeline() -> Pipeline:
-    """Register, gate, promote; reads the run's `operating_point` (inference's, or the retrain's own)."""
+def registration_pipeline(delivery: str | None = None) -> Pipeline:
+    """Register, gate, promote; reads the run's `operating_point` (inference's, or the retrain's own).
+
+    `delivery` (the retrain's `ingest_report`) gives the gate's shadow evaluation its feedback.
+    """
     return Pipeline(
         [
             Node(
@@ -58,7 +61,8 @@ def registration_pipeline() -> Pipeline:
             ),
             Node(
                 run_gate,
-                ["registered_versions", "gate_requests", "params:retrain"],
+                ["registered_versions", "gate_requests", "params:retrain", "params:serving"]
+                + ([delivery] if delivery else []),
                 {"gate_report": "gate_report", "gate_metrics": "gate_metrics"},
                 name="run_gate",
             ),
@@ -132,7 +136,7 @@ def retrain_pipeline() -> Pipeline:
             )
         ]
     )
-    return _ingest() + warm + dag + chosen + registration_pipeline()
+    return _ingest() + warm + dag + chosen + registration_pipeline("ingest_report")
 
 
 def _ingest() -> Pipeline:
