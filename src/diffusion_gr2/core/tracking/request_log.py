@@ -45,6 +45,7 @@ __all__ = [
     "RequestLog",
     "RequestLogConfig",
     "ServedModel",
+    "encode",
     "log_rows",
     "open_log",
     "read_log",
@@ -147,7 +148,7 @@ class RequestLog:
 
     def append(self, rows: Sequence[Mapping[str, Any]]) -> None:
         """Append `rows`, each one line written whole; rotates first when the file would pass `max_bytes`."""
-        lines = [json.dumps(row, default=_plain, separators=(",", ":")).encode() + b"\n" for row in rows]
+        lines = [encode(row) for row in rows]
         with self._locked():
             for line in lines:
                 self._append_line(line)
@@ -182,6 +183,11 @@ def _cut_torn_tail(fd: int) -> None:
         end = start
     logger.warning("request log: cut a torn last row (%d bytes) left by a crashed writer", size - cut)
     os.ftruncate(fd, cut)
+
+
+def encode(row: Mapping[str, Any]) -> bytes:
+    """One row as the log holds it: compact JSON and its newline."""
+    return json.dumps(row, default=_plain, separators=(",", ":")).encode() + b"\n"
 
 
 def _plain(obj: Any) -> Any:
