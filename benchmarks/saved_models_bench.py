@@ -28,6 +28,7 @@ from transformers import AutoTokenizer
 from diffusion_gr2.core.bench.benchmark import BenchmarkConfig, benchmark_requests, format_table
 from diffusion_gr2.core.model.factory import load_model
 from diffusion_gr2.core.rank.rerank import RerankConfig
+from diffusion_gr2.core.tracking.manifest import read_report
 from diffusion_gr2.parameters import file_parameters
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -70,7 +71,7 @@ def main() -> None:
     requests = pd.read_parquet(args.requests)
     points = None
     if args.operating_point.is_file():
-        points = json.loads(args.operating_point.read_text())
+        points = read_report(args.operating_point)[0]  # the figures, without the run manifest
     else:
         logging.warning(
             "%s not found: no operating points (run the inference pipeline)", args.operating_point

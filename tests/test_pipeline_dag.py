@@ -16,13 +16,15 @@ import torch
 
 from diffusion_gr2.core.bench.benchmark import BENCHMARK_KEYS
 from diffusion_gr2.core.evaluate.rankings import stage_metrics
+from diffusion_gr2.core.tracking.manifest import read_report
 from tests.conftest import PROJECT_ROOT, run_kedro
 
 SYSTEMS = ("prerank", "ar_sft", "ar_rl", "naive", "cft", "opd", "rl", "distilled")
 
 
 def report(project: Path, name: str):
-    return json.loads((project / "data/08_reporting" / name).read_text())
+    """A report file's figures (the evaluation's carry their run's manifest: `read_report` drops it)."""
+    return read_report(project / "data/08_reporting" / name)[0]
 
 
 def test_reports_have_the_documented_keys(dag_run: Path) -> None:

@@ -19,6 +19,7 @@ from diffusion_gr2.core.evaluate.metrics import METRICS
 from diffusion_gr2.core.evaluate.rankings import stage_metrics
 from diffusion_gr2.core.model.factory import save_model
 from diffusion_gr2.core.rank.rerank import AR_SYSTEMS, DIFFUSION_SYSTEMS, SYSTEMS
+from diffusion_gr2.core.tracking.manifest import read_report
 from tests.conftest import empty_mlflow_store, isolated_project, run_kedro
 from tests.core.model.tiny import tiny_model_for
 from tests.core.rank.world import make_world
@@ -64,7 +65,7 @@ def evaluation_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
 @pytest.mark.slow
 def test_rankings_hold_every_system_and_tau(evaluation_run: Path) -> None:
     rankings = pd.read_parquet(evaluation_run / "data/07_model_output/rankings.parquet")
-    points = json.loads((evaluation_run / "data/08_reporting/operating_point.json").read_text())
+    points = read_report(evaluation_run / "data/08_reporting/operating_point.json")[0]
     assert set(points) == {"rl"}  # smoke: operating_point.systems [rl]
     chosen = (points["rl"]["tau"], points["rl"]["window"])
     assert chosen in {(0.9, None), (0.9, 4)} and points["rl"]["split"] == "valid"
@@ -118,12 +119,12 @@ def test_invalid_answers_are_served_the_prerank_and_counted(free_run: Path) -> N
 
 @pytest.mark.slow
 def test_stage_metrics_file_is_recomputable_from_rankings(evaluation_run: Path) -> None:
-    rows = json.loads((evaluation_run / "data/08_reporting/stage_metrics.json").read_text())
+    rows = read_report(evaluation_run / "data/08_reporting/stage_metrics.json")[0]
     assert all(list(r) == ["system", "tau", "window", "split", "n", *METRICS, "ci"] for r in rows)
     assert [r["system"] for r in rows if r["split"] == "test" and r["window"] is None] == list(SYSTEMS)
     rankings = pd.read_parquet(evaluation_run / "data/07_model_output/rankings.parquet")
     assert stage_metrics(rankings, n_boot=200, seed=0) == rows  # smoke: 200 resamples, seed 0
-    comparisons = json.loads((evaluation_run / "data/08_reporting/comparisons.json").read_text())
+    comparisons = read_report(evaluation_run / "data/08_reporting/comparisons.json")[0]
     assert {c["baseline"] for c in comparisons} == {"ar_rl", "prerank"}
     table = (evaluation_run / "data/08_reporting/stage_metrics.md").read_text()
     assert all(f"| {s} |" in table for s in SYSTEMS)
@@ -141,7 +142,7 @@ def test_report_names_the_files_this_run_lacks(evaluation_run: Path) -> None:
     ):
         assert f"*`{name}` is absent from this run: `{command}` writes it.*" in report
     assert "## Stage table (test)" in report and "## Reasoning quality (test" in report
-    reasoning = json.loads((evaluation_run / "data/08_reporting/reasoning_metrics.json").read_text())
+    reasoning = read_report(evaluation_run / "data/08_reporting/reasoning_metrics.json")[0]
     assert {r["system"] for r in reasoning} == {
         *AR_SYSTEMS,
         *DIFFUSION_SYSTEMS,
@@ -154,7 +155,7 @@ def test_evaluation_is_logged_to_mlflow(evaluation_run: Path) -> None:
     mlflow.set_tracking_uri(f"sqlite:///{evaluation_run / 'mlflow.db'}")
     runs = mlflow.search_runs(experiment_names=["diffusion-gr2"], output_format="list")
     (run,) = [r for r in runs if r.data.tags.get("pipeline") == "inference,evaluation"]
-    rows = json.loads((evaluation_run / "data/08_reporting/stage_metrics.json").read_text())
+    rows = read_report(evaluation_run / "data/08_reporting/stage_metrics.json")[0]
     cft = next(r for r in rows if r["system"] == "cft" and r["split"] == "test")
     assert run.data.metrics["eval.cft.tau0.9.recall_at_1"] == pytest.approx(cft["recall@1"])
     assert (
@@ -200,7 +201,7 @@ def benchmark_run(evaluation_run: Path, tmp_path_factory: pytest.TempPathFactory
 
 @pytest.mark.slow
 def test_benchmark_pipeline_times_ar_generate_and_each_operating_point(benchmark_run: Path) -> None:
-    rows = json.loads((benchmark_run / "data/08_reporting/benchmark.json").read_text())
+    rows = read_report(benchmark_run / "data/08_reporting/benchmark.json")[0]
     assert all(list(r) == list(BENCHMARK_KEYS) for r in rows)
     lines = [
         ("ar_rl", None, None),
@@ -236,7 +237,7 @@ def test_benchmark_pipeline_times_ar_generate_and_each_operating_point(benchmark
         assert r["speedup_vs_ar"] == pytest.approx(statistics.median(paired))  # paired by round
         assert min(paired) <= r["speedup_vs_ar_low"] <= r["speedup_vs_ar"] <= r["speedup_vs_ar_high"]
         assert r["statistic"].startswith("median of ") and "speed-up interval" in r["statistic"]
-    by_length = json.loads((benchmark_run / "data/08_reporting/speedup_by_length.json").read_text())
+    by_length = read_report(benchmark_run / "data/08_reporting/speedup_by_length.json")[0]
     # the length sweep: every served line (and opd's unserved one) under the smoke budgets and its own
     assert {(r["system"], r["budget"]) for r in by_length} == {
         (s, b) for s in ("ar_rl", "cft", "opd", "rl") for b in (64, 96, 160)
@@ -252,3 +253,89 @@ def test_benchmark_pipeline_times_ar_generate_and_each_operating_point(benchmark
     report = (benchmark_run / "data/08_reporting/report.md").read_text()  # re-rendered with the table
     assert "## Decode benchmark" in report and "`benchmark.json` is absent" not in report
     assert "](plots/speedup_by_batch.png)" in report and "](plots/speedup_by_length.png)" in report
+
+
+# ---- every report scoped to its run (issue 43 item 2) ---------------------------------------------------
+
+
+def _tracked_run(project: Path, pipeline: str) -> str:
+    """The id of the MLflow run of `project`'s store tagged with `pipeline`."""
+    mlflow.set_tracking_uri(f"sqlite:///{project / 'mlflow.db'}")
+    runs = mlflow.search_runs(experiment_names=["diffusion-gr2"], output_format="list")
+    (run,) = [r for r in runs if r.data.tags.get("pipeline") == pipeline]
+    return run.info.run_id
+
+
+@pytest.mark.slow
+def test_each_report_names_its_run_and_the_models_it_measured(evaluation_run: Path) -> None:
+    from diffusion_gr2.core.evaluate.results import results_markdown
+    from diffusion_gr2.core.tracking.lineage import DigestCache
+
+    reporting = evaluation_run / "data/08_reporting"
+    run_id = _tracked_run(evaluation_run, "inference,evaluation")
+    digests, models = DigestCache(), _model_dirs(evaluation_run)
+    for name in ("stage_metrics", "comparisons", "operating_point", "reasoning_metrics"):
+        _, manifest = read_report(reporting / f"{name}.json")
+        assert manifest is not None and manifest.run_id == run_id
+        assert (manifest.env, manifest.pipelines, manifest.partial) == (
+            "smoke",
+            ("inference", "evaluation"),
+            False,
+        )
+        # the weights inference decoded, by content: a retrained model would not match
+        assert {f"model_{s}": digests.digest(p) for s, p in models.items()}.items() <= manifest.models.items()
+    line = results_markdown(reporting).rstrip().splitlines()[-1]
+    assert (
+        line.startswith(
+            f"Run: stage_metrics.json, comparisons.json, operating_point.json: run {run_id[:8]} ("
+        )
+        and "env smoke, pipelines inference, evaluation)" in line
+    )
+    assert line.endswith(" min.")  # its minutes: node_times.inference+evaluation.json names the run
+
+
+@pytest.mark.slow
+def test_after_a_partial_rerun_results_show_each_figure_with_its_run(
+    evaluation_run: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """`kedro run --pipelines evaluation` rewrites stage_metrics and comparisons; the operating point
+    stays the first run's: `make results` and the report say so, a line per run."""
+    from diffusion_gr2.core.evaluate.results import MixedRunsError, results_markdown
+
+    first = _tracked_run(evaluation_run, "inference,evaluation")
+    root = tmp_path_factory.mktemp("rerun_project") / "project"
+    shutil.copytree(evaluation_run, root, ignore=shutil.ignore_patterns("mlflow.db", "mlruns", "mlartifacts"))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.chdir(root)
+        patch.setenv("MLFLOW_TRACKING_URI", empty_mlflow_store(root / "mlflow.db"))
+        run_kedro(root, ["evaluation"])
+    second = _tracked_run(root, "evaluation")
+    reporting = root / "data/08_reporting"
+    table = results_markdown(reporting)
+    assert "Runs (the figures come from 2 runs):" in table
+    assert f"* stage_metrics.json, comparisons.json: run {second[:8]} (" in table
+    assert f"* operating_point.json: run {first[:8]} (" in table
+    assert "pipelines evaluation)" in table and "Mixed models" not in table  # same weights
+    with pytest.raises(MixedRunsError):
+        results_markdown(reporting, strict=True)
+    report = (reporting / "report.md").read_text()
+    assert f"* stage_metrics.json, comparisons.json, reasoning_metrics.json: run {second[:8]} (" in report
+    assert f"* operating_point.json: run {first[:8]} (" in report
+
+
+@pytest.mark.slow
+def test_the_benchmark_report_names_the_benchmark_run_beside_the_evaluation_one(benchmark_run: Path) -> None:
+    from diffusion_gr2.core.evaluate.results import results_markdown
+
+    reporting = benchmark_run / "data/08_reporting"
+    bench = _tracked_run(benchmark_run, "benchmark")
+    for name in ("benchmark", "speedup_by_length"):
+        _, manifest = read_report(reporting / f"{name}.json")
+        assert manifest is not None and manifest.run_id == bench and manifest.node == "benchmark_decoding"
+        assert set(manifest.models) == {f"model_{s}" for s in ("ar_rl", "cft", "opd", "rl", "distilled")}
+    table = results_markdown(reporting)
+    assert f"* benchmark.json: run {bench[:8]} (" in table
+    assert "* operating_point.json: no run record" in table  # the fixture wrote it by hand
+    assert "Mixed models" not in table  # the benchmark timed the weights inference decoded
+    report = (reporting / "report.md").read_text()
+    assert f"* benchmark.json, speedup_by_length.json: run {bench[:8]} (" in report

@@ -6,7 +6,6 @@ come from, at the precision the report prints (4 decimals, intervals 3).
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
@@ -18,6 +17,7 @@ from nbclient import NotebookClient
 
 from diffusion_gr2.core.evaluate.metrics import REASONING_METRICS
 from diffusion_gr2.core.evaluate.report import BENCHMARK_COLUMNS, STAGE_COLUMNS
+from diffusion_gr2.core.tracking.manifest import read_report
 from tests.conftest import PROJECT_ROOT, run_kedro
 
 NOTEBOOKS = sorted((PROJECT_ROOT / "notebooks").glob("*.ipynb"))
@@ -66,6 +66,11 @@ def _read(project: Path, name: str) -> str:
     return (project / "data/08_reporting" / name).read_text()
 
 
+def _data(project: Path, name: str):
+    """A report file's figures (without the run manifest it carries)."""
+    return read_report(project / "data/08_reporting" / name)[0]
+
+
 @pytest.fixture(scope="module")
 def reports(dag_run: Path) -> dict[str, str]:
     """report.md after the default run, then after `benchmark` on the same outputs."""
@@ -97,19 +102,17 @@ def test_the_default_run_writes_every_section_and_names_the_missing_benchmark(
 @pytest.mark.slow
 def test_report_numbers_equal_stage_metrics_comparisons_and_reasoning(dag_run: Path, reports: dict) -> None:
     report = reports["after"]
-    test_rows = [r for r in json.loads(_read(dag_run, "stage_metrics.json")) if r["split"] == "test"]
+    test_rows = [r for r in _data(dag_run, "stage_metrics.json") if r["split"] == "test"]
     table = _table(report, "## Stage table (test)")
     assert [_variant(c) for c in table] == [(r["system"], r["tau"], r["window"]) for r in test_rows]
     for cells, row in zip(table, test_rows, strict=True):
         assert int(cells[4]) == row["n"]
         for (metric, _), text in zip(STAGE_COLUMNS, cells[5 : 5 + len(STAGE_COLUMNS)], strict=True):
             _assert_cell(text, row[metric], row["ci"][metric])
-    served = {
-        (s, p["tau"], p["window"]) for s, p in json.loads(_read(dag_run, "operating_point.json")).items()
-    }
+    served = {(s, p["tau"], p["window"]) for s, p in _data(dag_run, "operating_point.json").items()}
     assert {_variant(c) for c in table if c[3] == "yes"} == {v for v in served if v[1] is not None}
 
-    comparisons = [c for c in json.loads(_read(dag_run, "comparisons.json")) if c["split"] == "test"]
+    comparisons = [c for c in _data(dag_run, "comparisons.json") if c["split"] == "test"]
     table = _table(report, "## Paired differences (test")
     pairs = list(dict.fromkeys((c["baseline"], c["metric"]) for c in comparisons))
     checked = 0
@@ -123,7 +126,7 @@ def test_report_numbers_equal_stage_metrics_comparisons_and_reasoning(dag_run: P
                 checked += 1
     assert checked == len(comparisons) > 0
 
-    reasoning = [r for r in json.loads(_read(dag_run, "reasoning_metrics.json")) if r["split"] == "test"]
+    reasoning = [r for r in _data(dag_run, "reasoning_metrics.json") if r["split"] == "test"]
     table = _table(report, "## Reasoning quality (test")
     assert [_variant(c) for c in table] == [(r["system"], r["tau"], r["window"]) for r in reasoning]
     assert {r["system"] for r in reasoning} == {"ar_sft", "ar_rl", "naive", "cft", "opd", "rl"}
@@ -139,7 +142,7 @@ def test_benchmark_rerenders_the_report_with_its_table(dag_run: Path, reports: d
         all(heading in report for heading in SECTIONS)
         and "is absent from this run: `make benchmark`" not in report
     )
-    rows = json.loads(_read(dag_run, "benchmark.json"))
+    rows = _data(dag_run, "benchmark.json")
     table = _table(report, "## Decode benchmark")
     assert len(table) == len(rows) > 0
     for cells, row in zip(table, rows, strict=True):

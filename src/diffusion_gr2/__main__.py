@@ -7,7 +7,7 @@ python -m diffusion_gr2 registry rollback diffusion-gr2 [--to 2]
 python -m diffusion_gr2 serve [--which] [--port 5001]              # the best champion there is, and why
 python -m diffusion_gr2 summary                                    # one line: what will serve (`make run`)
 python -m diffusion_gr2 retrain [--env ENV] [--force]             # what `make retrain` and cron run
-python -m diffusion_gr2 results [--reporting data/08_reporting]    # the run's results table (Markdown)
+python -m diffusion_gr2 results [--reporting data/08_reporting] [--strict]  # the results table (Markdown)
 python -m diffusion_gr2 run [kedro run options]                    # kedro run, on one process or many:
 accelerate launch [--config_file conf/accelerate/X.yaml] -m diffusion_gr2 run [kedro run options]
 python -m diffusion_gr2 [kedro run options]                        # anything else: kedro run
@@ -86,6 +86,9 @@ def _parser() -> argparse.ArgumentParser:
     retrain.add_argument("--force", action="store_true", help="retrain even when nothing new arrived")
     results = sub.add_parser("results", help="the results table of the last run, from its reports")
     results.add_argument("--reporting", default="data/08_reporting", help="the run's reporting folder")
+    results.add_argument(
+        "--strict", action="store_true", help="refuse reports that came from more than one run (exit 1)"
+    )
     serve = sub.add_parser(
         "serve", help="serve the best champion: diffusion-gr2, else the teacher, else the pre-rank"
     )
@@ -128,14 +131,13 @@ def serve(args: argparse.Namespace, client) -> int:  # noqa: ANN001 (an MlflowCl
 def summary(reporting: str) -> str:
     """The run's last line: whether the served diffusion system has an operating point, what `make
     register` will gate, what serves now. Never fails: a missing report or store is said in the line."""
-    import json
-
     from diffusion_gr2.core.rank.operating_point import OperatingPointError, resolve_operating_point
     from diffusion_gr2.core.rank.rerank import SERVED_DIFFUSION
     from diffusion_gr2.core.tracking import registry
+    from diffusion_gr2.core.tracking.manifest import read_report
 
     path = Path(reporting) / "operating_point.json"
-    points = json.loads(path.read_text()) if path.exists() else None
+    points = read_report(path)[0] if path.exists() else None
     try:
         tau, window = resolve_operating_point(points, SERVED_DIFFUSION)
         where = "whole block" if window is None else f"window {window}"
@@ -223,11 +225,11 @@ def ops(argv: list[str]) -> int:
 
     args = _parser().parse_args(argv)
     if args.command == "results":  # reads JSON reports only: no MLflow, torch or Kedro to import
-        from diffusion_gr2.core.evaluate.results import ResultsError, results_markdown
+        from diffusion_gr2.core.evaluate.results import MixedRunsError, ResultsError, results_markdown
 
         try:
-            sys.stdout.write(results_markdown(args.reporting))
-        except ResultsError as err:
+            sys.stdout.write(results_markdown(args.reporting, strict=args.strict))
+        except (ResultsError, MixedRunsError) as err:
             sys.stderr.write(f"{err}\n")
             return 1
         return 0

@@ -15,6 +15,7 @@ import pandas as pd
 from kedro.io import AbstractDataset, DatasetError
 
 from diffusion_gr2.core.io import atomic_directory, atomic_write_json, atomic_write_parquet
+from diffusion_gr2.core.tracking.manifest import RUN_REPORTS, current_manifest, load_reports, stamp, unstamp
 
 
 class _AtomicFileDataset(AbstractDataset[Any, Any]):
@@ -37,12 +38,13 @@ class _AtomicFileDataset(AbstractDataset[Any, Any]):
 
 
 class AtomicJSONDataset(_AtomicFileDataset):
-    """A JSON report (``data/08_reporting/*.json``) written atomically."""
+    """A JSON report (``data/08_reporting/*.json``) written atomically. A file stamped with its run's
+    manifest (`RunReportDataset`) loads as its data: nodes never see the stamp."""
 
     def load(self) -> Any:
         if not self.path.exists():
             raise self._missing()
-        return json.loads(self.path.read_text())
+        return unstamp(json.loads(self.path.read_text()))[0]
 
     def save(self, data: Any) -> None:
         atomic_write_json(self.path, data)
@@ -58,6 +60,15 @@ class AtomicParquetDataset(_AtomicFileDataset):
 
     def save(self, data: pd.DataFrame) -> None:
         atomic_write_parquet(data, self.path)
+
+
+class RunReportDataset(AtomicJSONDataset):
+    """A report of the evaluation or benchmark stage, stored with the manifest of the run that wrote it
+    (`core.tracking.manifest`: run id, commit, env, pipelines, start, the models' digests), so that
+    `make results` and the report can say which run each figure came from."""
+
+    def save(self, data: Any) -> None:
+        atomic_write_json(self.path, stamp(data, current_manifest()))
 
 
 class PretrainedDataset(_AtomicFileDataset):
@@ -113,4 +124,22 @@ class OptionalJSONDataset(AtomicJSONDataset):
     None while the file does not exist, so a reader can say it is absent instead of failing."""
 
     def load(self) -> Any:
-        return json.loads(self.path.read_text()) if self.path.exists() else None
+        return unstamp(json.loads(self.path.read_text()))[0] if self.path.exists() else None
+
+
+class ReportRunsDataset(AbstractDataset[None, Any]):
+    """Read-only: the manifests of the run reports in `folder` (`manifest.load_reports`), for the run
+    report's list of the runs its figures come from."""
+
+    def __init__(self, folder: str, metadata: dict[str, Any] | None = None) -> None:
+        self._folder = PurePosixPath(folder)
+        self.metadata = metadata
+
+    def _describe(self) -> dict[str, Any]:
+        return {"folder": str(self._folder)}
+
+    def load(self) -> Any:
+        return load_reports(Path(self._folder), RUN_REPORTS)
+
+    def save(self, data: Any) -> None:
+        raise DatasetError("ReportRunsDataset is read-only: the reports it reads carry their own manifests")

@@ -13,6 +13,7 @@ from typing import Any
 import mlflow
 from kedro.framework.hooks import hook_impl
 
+from diffusion_gr2.core.tracking import manifest
 from diffusion_gr2.core.tracking.lineage import (
     DigestCache,
     NodeRecord,
@@ -129,8 +130,8 @@ class NodeLineageHooks:
 
     RAW_PARAMS = ("params:data_prep",)
 
-    def __init__(self) -> None:
-        self._digests = DigestCache()
+    def __init__(self, digests: DigestCache | None = None) -> None:
+        self._digests = digests or DigestCache()
         self._catalog: Any = None
         self._pending: dict[str, tuple[NodeRecord, set[str]]] = {}
 
@@ -175,6 +176,56 @@ class NodeLineageHooks:
             logger.warning("lineage of node %s not logged: %s", node_name, err)
 
 
+class RunManifestHooks:
+    """Open the run context every report file is stamped from (`core.tracking.manifest`).
+
+    Before the first node: the MLflow run id (kedro-mlflow's hook, a plugin, has opened the run), the
+    commit the run starts from, the environment, the pipelines asked for and whether only part of them
+    runs, the start time and the machine. Before each node: the digests of the model folders it loads
+    (``model_*`` inputs), so a report names the weights it measured. `RunReportDataset` stamps what
+    it saves from this context; nodes never see it. The context closes when the run ends or fails.
+    """
+
+    def __init__(self, digests: DigestCache | None = None) -> None:
+        self._digests = digests or DigestCache()  # shared with NodeLineageHooks: each folder hashed once
+
+    @hook_impl
+    def before_pipeline_run(self, run_params: dict[str, Any]) -> None:
+        active = mlflow.active_run()
+        project = Path(run_params.get("project_path") or Path.cwd())
+        asked = run_params.get("pipeline_names") or [run_params.get("pipeline_name")]
+        commit = git_commit(project)
+        manifest.begin_run(
+            manifest.RunManifest(
+                run_id=None if active is None else active.info.run_id,
+                git_commit=commit["git_commit"],
+                git_dirty=commit["git_dirty"] == "true",
+                env=str(run_params.get("env") or "local"),
+                pipelines=tuple(str(p) for p in asked if p) or ("__default__",),
+                partial=any(run_params.get(key) for key in NodeTimingHooks.PART_FILTERS),
+                started=datetime.now(UTC).isoformat(timespec="seconds"),
+                machine=machine(),
+            )
+        )
+
+    @hook_impl
+    def before_node_run(self, node: Any, catalog: Any) -> None:
+        models = {
+            name: self._digests.digest(dataset_path(catalog, name))
+            for name in node.inputs
+            if name.startswith("model_")
+        }
+        manifest.note_models(models, node.name)
+
+    @hook_impl
+    def after_pipeline_run(self) -> None:
+        manifest.end_run()
+
+    @hook_impl
+    def on_pipeline_error(self) -> None:
+        manifest.end_run()
+
+
 class NodeTimingHooks:
     """Where a run's time went: each node's wall time, logged and kept with the run.
 
@@ -184,7 +235,8 @@ class NodeTimingHooks:
     sizing the default run against its budget sees what to shrink. A run of named pipelines writes
     `node_times.<names>.json` instead, so `make benchmark` keeps the default run's record, and a run
     of part of a pipeline (`--nodes`, `--from-nodes`, `--tags`, ...) `node_times.partial.json`, so
-    the record `make results` prints beside a run's table stays that run's.
+    the record `make results` prints beside a run's table stays that run's. The record names the MLflow
+    run id: `make results` finds each report's run (its manifest, `RunManifestHooks`) by it.
     """
 
     REPORT = Path("data/08_reporting/node_times.json")
@@ -206,6 +258,7 @@ class NodeTimingHooks:
         self._run_start = 0.0
         self._started = ""
         self._commit: dict[str, str] = {}
+        self._run_id: str | None = None
 
     @hook_impl
     def before_pipeline_run(self, run_params: dict[str, Any]) -> None:
@@ -213,6 +266,8 @@ class NodeTimingHooks:
         self._started = datetime.now(UTC).isoformat(timespec="seconds")
         # the code the run started from: a commit made while it runs is not what it ran
         self._commit = git_commit(Path(run_params.get("project_path") or Path.cwd()))
+        active = mlflow.active_run()  # read now: kedro-mlflow ends its run before `after_pipeline_run`
+        self._run_id = None if active is None else active.info.run_id
 
     @hook_impl
     def before_node_run(self, node: Any) -> None:
@@ -239,6 +294,7 @@ class NodeTimingHooks:
         asked = run_params.get("pipeline_names") or [run_params.get("pipeline_name")]
         names = [str(p) for p in asked if p and p != "__default__"]
         run = {
+            "run_id": self._run_id,  # what `make results` matches a report's manifest against
             "started": self._started,
             "pipelines": names or ["__default__"],
             "env": str(run_params.get("env") or "local"),

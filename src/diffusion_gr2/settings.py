@@ -7,17 +7,27 @@ import os
 from kedro.config import OmegaConfigLoader
 
 from diffusion_gr2.core.env import quiet_offline_environment
+from diffusion_gr2.core.tracking.lineage import DigestCache
 from diffusion_gr2.hooks import (
     BoundarySchemaHooks,
     LaunchHooks,
     LineageHooks,
     NodeLineageHooks,
     NodeTimingHooks,
+    RunManifestHooks,
 )
 
 quiet_offline_environment()
 
-HOOKS = (LaunchHooks(), LineageHooks(), NodeLineageHooks(), BoundarySchemaHooks(), NodeTimingHooks())
+_DIGESTS = DigestCache()  # one per process: the lineage and the run manifest hash each model folder once
+HOOKS = (
+    LaunchHooks(),
+    LineageHooks(),
+    NodeLineageHooks(_DIGESTS),
+    BoundarySchemaHooks(),
+    NodeTimingHooks(),
+    RunManifestHooks(_DIGESTS),
+)
 
 # In a launch of several processes only rank 0 talks to MLflow: one kedro-mlflow run per launch, and
 # no race between processes creating the store (docs/distributed.md).

@@ -21,6 +21,7 @@ from diffusion_gr2.core.evaluate.metrics import (
     system_metrics,
     user_values,
 )
+from diffusion_gr2.core.evaluate.tables import markdown_table, metric_cell, tau_cell, window_cell
 from diffusion_gr2.core.rank.rerank import own_valid_flags
 
 __all__ = [
@@ -160,22 +161,14 @@ def _row_key(row: Mapping[str, Any]) -> str:
     return system_key(row["system"], row["tau"], row.get("window"), None if split == "test" else split)
 
 
-def _cell(row: Mapping[str, Any], metric: str) -> str:
-    """`0.296 [0.27, 0.32]`: a metric with its 95% interval."""
-    low, high = row["ci"][metric]
-    return f"{row[metric]:.4f} [{low:.3f}, {high:.3f}]"
-
-
 def metrics_markdown(stage_rows: Sequence[Mapping[str, Any]]) -> str:
     """A readable markdown table of `stage_metrics.json` rows (95% bootstrap intervals in brackets)."""
     head = ["split", "system", "tau", "window", "n", *METRICS]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for row in stage_rows:
-        tau = "—" if row["tau"] is None else f"{row['tau']:g}"
-        window = "—" if row.get("window") is None else str(row["window"])
-        cells = [str(row.get("split", "test")), str(row["system"]), tau, window, str(row["n"])]
-        cells += [_cell(row, m) for m in METRICS]
-        lines.append("| " + " | ".join(cells) + " |")
+    rows = [
+        [str(row.get("split", "test")), str(row["system"]), tau_cell(row), window_cell(row), str(row["n"])]
+        + [metric_cell(row, m) for m in METRICS]
+        for row in stage_rows
+    ]
     note = (
         "\nMetrics with 95% bootstrap intervals over users (each resample draws whole users with all "
         "their requests); tau — = autoregressive (no threshold); window — = the whole block fed at "
@@ -185,7 +178,7 @@ def metrics_markdown(stage_rows: Sequence[Mapping[str, Any]]) -> str:
         "without the grammar (a second, free pass) is valid and one the grammar accepts "
         "(equal to valid_rate when decoding is unconstrained).\n"
     )
-    return "# Stage metrics\n\n" + "\n".join(lines) + "\n" + note
+    return "# Stage metrics\n\n" + markdown_table(head, rows) + "\n" + note
 
 
 def rankings_summary(rankings: pd.DataFrame) -> dict[str, dict[str, float]]:

@@ -31,7 +31,9 @@ from diffusion_gr2.core.evaluate.plots import (
     speedup_by_length_figure,
     training_curves_figure,
 )
-from diffusion_gr2.core.evaluate.results import results_table
+from diffusion_gr2.core.evaluate.results import results_table, runs_text
+from diffusion_gr2.core.evaluate.tables import DASH, interval, markdown_table, tau_cell, window_cell
+from diffusion_gr2.core.tracking.manifest import RunSources
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +93,7 @@ class ReportInputs:
     benchmark: Sequence[Mapping[str, Any]] | None = None
     speedup_by_length: Sequence[Mapping[str, Any]] | None = None
     decode_profile: Mapping[str, Any] | None = None
+    runs: RunSources | None = None  # the report files' manifests: the runs their figures came from
     training_curves: Curves = field(default_factory=dict)
     reference: str = "ar_rl"  # the AR system speed-ups and frontier marks refer to
     split: str = "test"  # the reported split (valid chooses)
@@ -220,9 +223,7 @@ def _cell(row: Mapping[str, Any], metric: str, signed: bool = False) -> str:
     """`0.1854 [0.119, 0.252]`; `signed` for differences (`+0.0132 [-0.053, +0.073]`)."""
     low, high = row["ci"][metric] if "ci" in row else (row["low"], row["high"])
     value = row[metric] if metric in row else row["mean_diff"]
-    fmt = "+.4f" if signed else ".4f"
-    bound = "+.3f" if signed else ".3f"
-    return f"{value:{fmt}} [{low:{bound}}, {high:{bound}}]"
+    return interval(value, low, high, signed=signed)
 
 
 def _ratio(row: Mapping[str, Any], name: str) -> str:
@@ -230,8 +231,8 @@ def _ratio(row: Mapping[str, Any], name: str) -> str:
     the timing harness); `—` when not timed against the reference, or in a file older than intervals."""
     value, low, high = (row.get(k) for k in (name, f"{name}_low", f"{name}_high"))
     if value is None or low is None or high is None:
-        return "—"
-    return f"{value:.4f} [{low:.3f}, {high:.3f}]"
+        return DASH
+    return interval(value, low, high)
 
 
 def _paired(row: Mapping[str, Any], key: str) -> str:
@@ -239,28 +240,14 @@ def _paired(row: Mapping[str, Any], key: str) -> str:
     `—` in a file older than the paired rule."""
     value, low, high, n = (row.get(k) for k in (key, f"{key}.low", f"{key}.high", f"{key}.n"))
     if value is None or low is None or high is None:
-        return "—"
-    return f"{value:+.4f} [{low:+.3f}, {high:+.3f}] ({n})"
+        return DASH
+    return f"{interval(value, low, high, signed=True)} ({n})"
 
 
 def _statistics(rows: Sequence[Mapping[str, Any]]) -> str:
     """The harness statistic the rows name (`statistic`), for the text above their table."""
     names = sorted({str(r["statistic"]) for r in rows if r.get("statistic")})
     return "; ".join(names) if names else "not named (a file older than the timing harness)"
-
-
-def _tau(row: Mapping[str, Any]) -> str:
-    return "—" if row.get("tau") is None else f"{row['tau']:g}"
-
-
-def _window(row: Mapping[str, Any]) -> str:
-    return "—" if row.get("window") is None else str(row["window"])
-
-
-def _table(head: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    lines += ["| " + " | ".join(r) + " |" for r in rows]
-    return "\n".join(lines)
 
 
 def _served(inputs: ReportInputs) -> set[tuple[str, float | None, int | None]]:
@@ -286,7 +273,7 @@ def _inputs_section(inputs: ReportInputs) -> str:
             "users", "items", "interactions", "mean_history", "median_history", "rows_read", "rows_rejected"
         ) if k in d]  # fmt: skip
         rows += [[f"split `{s}` (interactions)", str(n)] for s, n in d.get("splits", {}).items()]
-        parts.append("Dataset (`data_stats.json`):\n\n" + _table(["statistic", "value"], rows))
+        parts.append("Dataset (`data_stats.json`):\n\n" + markdown_table(["statistic", "value"], rows))
     if inputs.sid_report is None:
         parts.append(_absent("sid_report.json", "kedro run --pipelines semantic_ids"))
     else:
@@ -299,7 +286,7 @@ def _inputs_section(inputs: ReportInputs) -> str:
             ["collisions with 3 levels", str(s["collisions_3"])],
             ["embedding model", f"`{s['embedding_model']}`"],
         ]
-        parts.append("Semantic IDs (`sid_report.json`):\n\n" + _table(["statistic", "value"], rows))
+        parts.append("Semantic IDs (`sid_report.json`):\n\n" + markdown_table(["statistic", "value"], rows))
     if inputs.retrieval_report is None:
         parts.append(_absent("retrieval_report.json", "kedro run --pipelines retrieval"))
     else:
@@ -312,7 +299,7 @@ def _inputs_section(inputs: ReportInputs) -> str:
         requests = ", ".join(f"{s} {n}" for s, n in r.get("rows", {}).items())
         parts.append(
             "First-stage retriever (`retrieval_report.json`, full catalog):\n\n"
-            + _table(["model", "Recall@10", "NDCG@10"], rows)
+            + markdown_table(["model", "Recall@10", "NDCG@10"], rows)
             + f"\n\nCandidate mode `{r.get('candidate_mode')}`; share of users kept: {kept}"
             + (f"; requests: {requests}." if requests else ".")
         )
@@ -326,7 +313,13 @@ def _stage_section(inputs: ReportInputs) -> str:
     for row in _reported(inputs):
         at = (row["system"], row["tau"], row.get("window"))
         tpf = decoding.get(_key(row), {}).get("tokens_per_forward") or None  # the pre-rank decodes nothing
-        cells = [str(row["system"]), _tau(row), _window(row), "yes" if at in served else "", str(row["n"])]
+        cells = [
+            str(row["system"]),
+            tau_cell(row),
+            window_cell(row),
+            "yes" if at in served else "",
+            str(row["n"]),
+        ]
         rows.append(cells + [_cell(row, m) for m, _ in STAGE_COLUMNS] + [_num(tpf, 3)])
     text = (
         f"## Stage table ({inputs.split})\n\n"
@@ -336,7 +329,8 @@ def _stage_section(inputs: ReportInputs) -> str:
         "are valid rankings as served (under the answer grammar when decoding is constrained); *own "
         "valid*: requests whose answer decoded without the grammar (a second, free pass) is valid, "
         "the model's own valid-output rate. "
-        "tokens/forward: output tokens over forward passes (`rankings.parquet`).\n\n" + _table(head, rows)
+        "tokens/forward: output tokens over forward passes (`rankings.parquet`).\n\n"
+        + markdown_table(head, rows)
     )
     return text + "\n\n" + _operating_point_section(inputs)
 
@@ -350,8 +344,8 @@ def _operating_point_section(inputs: ReportInputs) -> str:
         rows.append(
             [
                 system,
-                _tau(p),
-                _window(p),
+                tau_cell(p),
+                window_cell(p),
                 _num(p.get("budget")),
                 f"{p.get('reference', '')} {_num(p.get('reference_recall@1'))}",
                 _num(chosen.get("recall@1")),
@@ -367,7 +361,7 @@ def _operating_point_section(inputs: ReportInputs) -> str:
         "### Served operating points (chosen on validation, `operating_point.json`)\n\n"
         "The fastest (tau, window) whose R@1 as served on validation, paired with the reference's on "
         "the same requests, has a 95% interval (users resampled) with its lower bound >= -budget; the "
-        "figures are validation's.\n\n" + _table(head, rows) + _candidates_table(inputs)
+        "figures are validation's.\n\n" + markdown_table(head, rows) + _candidates_table(inputs)
     )
 
 
@@ -392,8 +386,8 @@ def _candidates_table(inputs: ReportInputs) -> str:
             rows.append(
                 [
                     system,
-                    _tau(c),
-                    _window(c),
+                    tau_cell(c),
+                    window_cell(c),
                     _num(c.get("recall@1")),
                     _paired(c, f"recall@1_vs_{inputs.reference}"),
                     _num(c.get("unforced_rate")),
@@ -420,7 +414,7 @@ def _candidates_table(inputs: ReportInputs) -> str:
         if batches
         else " Speeds are the validation passes' own."
     )
-    return "\n\nCandidates (validation)." + timed + "\n\n" + _table(head, rows)
+    return "\n\nCandidates (validation)." + timed + "\n\n" + markdown_table(head, rows)
 
 
 def _comparison_section(inputs: ReportInputs) -> str:
@@ -433,7 +427,7 @@ def _comparison_section(inputs: ReportInputs) -> str:
     for row in _reported(inputs):  # in the stage table's order
         cells = by_row.get((row["system"], row["tau"], row.get("window")), {})
         if cells:
-            head = [str(row["system"]), _tau(row), _window(row)]
+            head = [str(row["system"]), tau_cell(row), window_cell(row)]
             rows.append(
                 head + [_cell(cells[p], "mean_diff", signed=True) if p in cells else "" for p in pairs]
             )
@@ -441,7 +435,7 @@ def _comparison_section(inputs: ReportInputs) -> str:
         f"## Paired differences ({inputs.split}, `comparisons.json`)\n\n"
         "System minus baseline on the same requests, mean and 95% paired-bootstrap interval (resampling "
         "whole users). An interval that contains 0 does not resolve the difference.\n\n"
-        + _table(["system", "tau", "window", *(f"Δ {m} vs {b}" for b, m in pairs)], rows)
+        + markdown_table(["system", "tau", "window", *(f"Δ {m} vs {b}" for b, m in pairs)], rows)
     )
 
 
@@ -449,7 +443,7 @@ def _reasoning_section(inputs: ReportInputs) -> str:
     rows = []
     for r in inputs.reasoning:
         if r.get("split", "test") == inputs.split:
-            cells = [str(r["system"]), _tau(r), _window(r), str(r["n"])]
+            cells = [str(r["system"]), tau_cell(r), window_cell(r), str(r["n"])]
             rows.append(cells + [_cell(r, m) for m in REASONING_METRICS])
     head = ["system", "tau", "window", "n", "has explanation", "cites a SID", "grounded", "pick = ranking #1",
             "explanation tokens"]  # fmt: skip
@@ -461,7 +455,7 @@ def _reasoning_section(inputs: ReportInputs) -> str:
         "ranking #1*: the stated top pick, i.e. the first candidate SID the explanation cites (the "
         "teacher's traces cite their best candidate first and pick it), is the first item of the "
         "served ranking. *explanation tokens*: length of the explanation string in the model's tokens. "
-        "Means with 95% bootstrap intervals.\n\n" + _table(head, rows)
+        "Means with 95% bootstrap intervals.\n\n" + markdown_table(head, rows)
     )
 
 
@@ -479,7 +473,7 @@ def _benchmark_section(inputs: ReportInputs) -> str:
     device = ", ".join(sorted({str(b["device"]) for b in inputs.benchmark}))
     rows = []
     for b in inputs.benchmark:
-        cells = [str(b["system"]), _tau(b), _window(b), "yes" if b.get("operating_point") else "sweep",
+        cells = [str(b["system"]), tau_cell(b), window_cell(b), "yes" if b.get("operating_point") else "sweep",
                  str(b["batch_size"]), "grammar" if b["constrained"] else "free"]  # fmt: skip
         rows.append(cells + [_num(b[k], d) for k, _, d in BENCHMARK_COLUMNS] + [_ratio(b, "speedup_vs_ar")])
     head = [
@@ -497,7 +491,7 @@ def _benchmark_section(inputs: ReportInputs) -> str:
         f"request; speed-up is against `{inputs.reference}` at the same batch size and grammar flag, in "
         "the same run, paired by round. Tokens/s and speed-ups: "
         f"{_statistics(inputs.benchmark)}. *sweep* rows are the threshold sweep behind the frontier."
-        "\n\n" + _table(head, rows)
+        "\n\n" + markdown_table(head, rows)
     )
 
 
@@ -515,7 +509,7 @@ def _profile_section(inputs: ReportInputs) -> str:
         rows.append(
             [
                 str(s["system"]),
-                _tau(s),
+                tau_cell(s),
                 str(s.get("window") or "—"),
                 str(s["batch"]),
                 _num(s["tokens_per_forward"], 3),
@@ -530,7 +524,7 @@ def _profile_section(inputs: ReportInputs) -> str:
     head = ["system", "tau", "window", "batch", "tokens/forward", "ms/forward", "forward share", "grammar share",
             "other share", "tokens/s", "speed-up vs AR [interval]"]  # fmt: skip
     profile = inputs.decode_profile
-    text = title + f"Tokens/s: {profile.get('statistic', _statistics([]))}.\n\n" + _table(head, rows)
+    text = title + f"Tokens/s: {profile.get('statistic', _statistics([]))}.\n\n" + markdown_table(head, rows)
     costs = profile.get("step_costs", {})
     if costs:
         kinds = list(dict.fromkeys(k for c in costs.values() for k in c["cost"]))
@@ -546,7 +540,7 @@ def _profile_section(inputs: ReportInputs) -> str:
             f"canvas of q, q rows read ({profile.get('step_statistic', '')}). A diffusion step beats AR only "
             "where its tokens per forward exceed this ratio; at large batches the forward becomes "
             "compute-bound and the ratio grows.\n\n"
-            + _table(["setting", *(f"{k} ({rows_read[k]} rows)" for k in kinds)], cost_rows)
+            + markdown_table(["setting", *(f"{k} ({rows_read[k]} rows)" for k in kinds)], cost_rows)
         )
     elif "canvas_ms" in profile:  # written before issue 28: its canvas rows had no LM head
         text += "\n\n*This file's forward-cost table predates the step-cost fix; rerun the script.*"
@@ -591,7 +585,12 @@ def render_markdown(inputs: ReportInputs, figures: Mapping[str, Figure]) -> str:
         f"(`data/08_reporting/`); reported split: `{inputs.split}`.",
         "## Results\n\n"
         + results_table(inputs.stage_metrics, inputs.comparisons, inputs.operating_point, inputs.benchmark)
-        + "\nThe same table, with the run's date, commit, machine and minutes: `make results`.",
+        + "\n"
+        + (
+            "The same table, with the run's date, commit, machine and minutes: `make results`."
+            if inputs.runs is None
+            else runs_text(inputs.runs)
+        ),
         _inputs_section(inputs),
         _stage_section(inputs),
         _comparison_section(inputs),

@@ -3,12 +3,16 @@
 Per served system (`ar_rl`, and `rl` at its operating point) and the pre-rank, on the test split:
 R@1 with its 95% interval, the paired R@1 difference to `ar_rl` and to the pre-rank, the model's own
 and the served valid rates, tokens per forward, and the speed-up over `ar_rl` at batch 1 and 16 (and
-over the fastest AR row of the benchmark) under the answer grammar, each with its interval. Then one
-line: date, commit, machine, run minutes. `python -m diffusion_gr2 results` prints it; the run report
-starts with it; the README embeds the last default run's.
+over the fastest AR row of the benchmark) under the answer grammar, each with its interval. Then the
+run the figures came from (date, commit, env, pipelines, machine, minutes), read from each file's own
+manifest (`core.tracking.manifest`): one `Run:` line when every file came from one run, else a line
+per source run naming its files, and a flag on any model two runs measured with different weights.
+`python -m diffusion_gr2 results` prints it (`--strict`: refuses a mixture); the run report starts
+with it; the README embeds the last default run's.
 
 Reads `stage_metrics.json`, `comparisons.json`, `operating_point.json`, `benchmark.json` (written by
-`make benchmark`; without it the speed columns say so) and `node_times.json`.
+`make benchmark`; without it the speed columns say so) through `manifest.load_reports`, and the
+`node_times*.json` record of each source run for its minutes.
 """
 
 from __future__ import annotations
@@ -20,27 +24,38 @@ from pathlib import Path
 from typing import Any
 
 from diffusion_gr2.core.bench.harness import speedup
+from diffusion_gr2.core.evaluate.tables import interval, markdown_table, missing
+from diffusion_gr2.core.tracking.manifest import (
+    NO_RECORD,
+    MixedRunsError,
+    ReportFileError,
+    RunManifest,
+    RunSources,
+    load_reports,
+)
 
-__all__ = ["ResultsError", "results_markdown", "results_table"]
+__all__ = ["MixedRunsError", "ResultsError", "results_markdown", "results_table", "runs_text"]
 
 AR_ROWS = ("ar_rl", "ar_sft", "generate")  # benchmark rows decoded one token a forward (no tau)
 SPEED_BATCHES = (1, 16)
+RESULTS_HEAD = (
+    "system",
+    "operating point",
+    "requests",
+    "test R@1 [95%]",
+    "vs ar_rl (paired)",
+    "vs pre-rank (paired)",
+    "own valid",
+    "served valid",
+    "tokens/forward",
+    "speed-up vs ar_rl, batch 1",
+    "batch 16",
+    "vs fastest AR, batch 1",
+)
 
 
-class ResultsError(FileNotFoundError):
-    """A reporting file the table needs is missing or unreadable."""
-
-
-def _read(folder: Path, name: str, required: bool = True) -> Any:
-    path = folder / name
-    if not path.exists():
-        if required:
-            raise ResultsError(f"{path}: not found; `make run` writes it (the results come from a run)")
-        return None
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as err:
-        raise ResultsError(f"{path}: not valid JSON ({err})") from err
+ResultsError = ReportFileError  # a reporting file the table needs is missing or unreadable
+RESULTS_FILES = ("stage_metrics.json", "comparisons.json", "operating_point.json", "benchmark.json")
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -84,14 +99,12 @@ def _paired(
 
 
 def _fmt(value: Any, digits: int = 3) -> str:
-    return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:.{digits}f}"
+    return "-" if missing(value) else f"{value:.{digits}f}"
 
 
 def _interval(value: Any, low: Any, high: Any, digits: int = 3, sign: bool = False) -> str:
-    if value is None or (isinstance(value, float) and math.isnan(value)):
-        return "-"
-    spec = f"+.{digits}f" if sign else f".{digits}f"
-    return f"{value:{spec}} [{low:{spec}}, {high:{spec}}]"
+    """This table's interval: as many digits on the bounds as on the value, `-` when not there."""
+    return interval(value, low, high, digits, digits, signed=sign, empty="-")
 
 
 def _bench_row(
@@ -161,20 +174,75 @@ def _served(points: Mapping[str, Any] | None) -> list[tuple[str, Any, Any, str]]
     return rows
 
 
+def _machine(run: Mapping[str, Any]) -> str:
+    gpu = run.get("gpu") or "no GPU"
+    return f"{run.get('cpu_cores', '?')} CPU cores, {run.get('torch_threads', '?')} torch threads, {gpu}"
+
+
+def _minutes(times: Mapping[str, Any] | None) -> str:
+    return f"{(times or {}).get('total_s', math.nan) / 60.0:.1f} min"
+
+
 def _run_line(times: Mapping[str, Any] | None) -> str:
+    """The run line of reports that carry no manifest: `node_times.json`'s record, said unchecked."""
     run = (times or {}).get("run") or {}
     if not run:
-        return "Run: unknown (node_times.json has no run record)."
-    gpu = run.get("gpu") or "no GPU"
+        return "Run: unknown (the reports carry no run record and node_times.json has none)."
     commit = str(run.get("git_commit", "unknown"))[:7] + (
         " (uncommitted changes)" if run.get("git_dirty") == "true" else ""
     )
-    minutes = (times or {}).get("total_s", math.nan) / 60.0
     return (
-        f"Run: {run.get('started', 'unknown')}, commit {commit}, env {run.get('env', '?')}, "
-        f"{run.get('cpu_cores', '?')} CPU cores, {run.get('torch_threads', '?')} torch threads, {gpu}; "
-        f"{minutes:.1f} min (pipelines: {', '.join(run.get('pipelines', ['?']))})."
+        f"Run: {run.get('started', 'unknown')}, commit {commit}, env {run.get('env', '?')}, {_machine(run)}; "
+        f"{_minutes(times)} (pipelines: {', '.join(run.get('pipelines', ['?']))}); the reports carry no "
+        "run record: not checked that they came from this run."
     )
+
+
+def _times_of(folder: Path, manifest: RunManifest) -> Mapping[str, Any] | None:
+    """The `node_times*.json` record of the run `manifest` names (None: none, e.g. the run failed)."""
+    for path in sorted(folder.glob("node_times*.json")):
+        try:
+            times = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError):
+            continue
+        if manifest.run_id and (times.get("run") or {}).get("run_id") == manifest.run_id:
+            return times
+    return None
+
+
+def runs_text(sources: RunSources) -> str:
+    """Which run each file's figures came from: one `Run:` line when they all came from one run,
+    else a line per source run; then any model two runs measured with different weights."""
+    runs, folder = sources.runs(), sources.folder
+    if not runs:
+        return "Run: unknown (no report files)."
+    if all(manifest is None for manifest, _ in runs):
+        return _run_line(None if folder is None else _read_json(folder / "node_times.json"))
+    lines = []
+    for manifest, files in runs:
+        if manifest is None:
+            lines.append(f"{', '.join(files)}: {NO_RECORD} (written before run manifests, or by hand)")
+            continue
+        times = None if folder is None else _times_of(folder, manifest)
+        took = _minutes(times) if times else "no timing record (the run failed, or was still running)"
+        lines.append(f"{', '.join(files)}: {manifest.label()}; {_machine(manifest.machine)}; {took}")
+    if len(lines) == 1:
+        text = f"Run: {lines[0]}."
+    else:
+        text = f"Runs (the figures come from {len(lines)} runs):\n\n" + "\n".join(
+            f"* {line}." for line in lines
+        )
+    conflicts = sources.conflicts()
+    if conflicts:
+        text += "\n\n**Mixed models**: these files measured different weights: " + "; ".join(conflicts) + "."
+    return text
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text()) if path.exists() else None
+    except json.JSONDecodeError:
+        return None
 
 
 def results_table(
@@ -185,12 +253,7 @@ def results_table(
 ) -> str:
     """The table and its note, from the run's `stage_metrics`, `comparisons`, `operating_point` and
     `benchmark` (None: not run); what `results_markdown` and the report's first section show."""
-    head = (
-        "| system | operating point | requests | test R@1 [95%] | vs ar_rl (paired) | vs pre-rank (paired) "
-        "| own valid | served valid | tokens/forward | speed-up vs ar_rl, batch 1 | batch 16 "
-        "| vs fastest AR, batch 1 |"
-    )
-    lines = [head, "|" + "---|" * 12]
+    rows = []
     for system, tau, window, text in _served(points):
         if tau == "refused":
             tested = sorted(
@@ -212,7 +275,7 @@ def results_table(
             )
         cells += [_fmt(row.get("unforced_rate"), 2), _fmt(row.get("valid_rate"), 2)]
         cells += ["-"] * 4 if system == "prerank" else _speed_cells(bench, system, tau, window)
-        lines.append("| " + " | ".join(cells) + " |")
+        rows.append(cells)
     ar = _stage(stages, "ar_rl", None, None)
     size = "" if ar is None else f" ({ar['n']} requests)"
     note = (
@@ -221,16 +284,21 @@ def results_table(
         "intervals (`benchmark.json` `statistic`). Own valid: answers decoded without the grammar that "
         "it accepts."
     )
-    return "\n".join([*lines, "", note]) + "\n"
+    return markdown_table(RESULTS_HEAD, rows) + "\n\n" + note + "\n"
 
 
-def results_markdown(folder: str | Path) -> str:
-    """The results table of the run whose reports are in `folder` (`data/08_reporting`), and its run line."""
+def results_markdown(folder: str | Path, strict: bool = False) -> str:
+    """The results table of the run whose reports are in `folder` (`data/08_reporting`), and the runs
+    its figures came from (`runs_text`). Models measured with different weights by the files' runs are
+    flagged; `strict` refuses them, and any mixture of runs (`MixedRunsError`)."""
     folder = Path(folder)
+    sources = load_reports(folder, RESULTS_FILES, required=RESULTS_FILES[:2])
+    sources.check(strict)
+    data = sources.data
     table = results_table(
-        _read(folder, "stage_metrics.json"),
-        _read(folder, "comparisons.json"),
-        _read(folder, "operating_point.json", required=False),
-        _read(folder, "benchmark.json", required=False),
+        data["stage_metrics.json"],
+        data["comparisons.json"],
+        data["operating_point.json"],
+        data["benchmark.json"],
     )
-    return table + "\n" + _run_line(_read(folder, "node_times.json", required=False)) + "\n"
+    return table + "\n" + runs_text(sources) + "\n"

@@ -13,7 +13,6 @@ artifacts and shown by ``python -m diffusion_gr2 registry show NAME --card``.
 
 from __future__ import annotations
 
-import json
 import logging
 import tempfile
 from dataclasses import dataclass
@@ -30,6 +29,7 @@ from diffusion_gr2.core.data.readers import classify_file
 from diffusion_gr2.core.tracking.ingest import read_interactions
 from diffusion_gr2.core.tracking.lineage import file_md5
 from diffusion_gr2.core.tracking.lineage_report import Lineage, raw_inputs
+from diffusion_gr2.core.tracking.manifest import read_report
 from diffusion_gr2.core.tracking.mlflow_utils import NotFoundError, model_version, version_by_alias
 
 logger = logging.getLogger(__name__)
@@ -64,7 +64,7 @@ def _report(path: Path, model_run: str | None, lineage: Lineage) -> dict[str, An
     entry = {"file": str(path), "md5": digest, "run_id": writer}
     if writer is None or writer != model_run:
         return entry | {"status": f"not this model's (written by run {writer or 'not on record'})"}
-    return entry | {"status": "this model's run", "data": json.loads(path.read_text())}
+    return entry | {"status": "this model's run", "data": read_report(path)[0]}
 
 
 def _window(raw: dict[str, dict[str, Any]]) -> dict[str, Any] | None:

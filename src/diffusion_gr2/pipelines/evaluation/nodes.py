@@ -107,7 +107,8 @@ def write_report(
     """`report.md` and `report.html` from the run's files, and the figures they show.
 
     `files`: `operating_point`, `data_stats`, `sid_report`, `retrieval_report`, `benchmark`,
-    `speedup_by_length`, `decode_profile` (each None when absent); the training curves come from the MLflow store.
+    `speedup_by_length`, `decode_profile` (each None when absent), `runs` (the report files' manifests);
+    the training curves come from the MLflow store.
     """
     report = params["report"]
     curves = load_training_curves(_experiment_id(report["experiment"]), report["training_stages"])

@@ -21,6 +21,7 @@ REPORT_FILES = {
     "benchmark": "report_benchmark",
     "speedup_by_length": "report_speedup_by_length",
     "decode_profile": "report_decode_profile",
+    "runs": "report_runs",  # the manifests of the files above: which run each figure came from
 }
 REPORT_OUTPUTS = {
     "report_md": "report_md",

@@ -1,0 +1,62 @@
+"""The one Markdown table renderer of the evaluation: a table from its header and cell rows, and the
+cells every table of the run prints (a figure with its interval, tau, window).
+
+`rankings.metrics_markdown` (`stage_metrics.md`), the report's stage table (`report._stage_section`,
+and its other tables) and the results table (`results.results_table`, `make results`) all render
+through these, so a figure reads the same wherever it is printed.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+__all__ = ["interval", "markdown_table", "metric_cell", "missing", "tau_cell", "window_cell"]
+
+DASH = "—"  # an empty setting (AR: no tau; the whole block: no window)
+
+
+def markdown_table(head: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """`| a | b |`, `|---|---|`, then a line per row; no trailing newline."""
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines += ["| " + " | ".join(cells) + " |" for cells in rows]
+    return "\n".join(lines)
+
+
+def missing(value: Any) -> bool:
+    """None or NaN: a figure that is not there."""
+    return value is None or (isinstance(value, float) and math.isnan(value))
+
+
+def interval(
+    value: Any,
+    low: Any,
+    high: Any,
+    digits: int = 4,
+    bound_digits: int = 3,
+    signed: bool = False,
+    empty: str | None = None,
+) -> str:
+    """`0.1854 [0.119, 0.252]`; `signed` for differences (`+0.0132 [-0.053, +0.073]`). With `empty`,
+    a value that is not there (None, NaN) prints as `empty`; without it, as Python formats it."""
+    if empty is not None and missing(value):
+        return empty
+    sign = "+" if signed else ""
+    return f"{value:{sign}.{digits}f} [{low:{sign}.{bound_digits}f}, {high:{sign}.{bound_digits}f}]"
+
+
+def metric_cell(row: Mapping[str, Any], metric: str, digits: int = 4, bound_digits: int = 3) -> str:
+    """A `stage_metrics.json` row's metric with its 95% interval (`row["ci"][metric]`)."""
+    low, high = row["ci"][metric]
+    return interval(row[metric], low, high, digits, bound_digits)
+
+
+def tau_cell(row: Mapping[str, Any]) -> str:
+    """`0.9`, or `—` for an AR row (no threshold)."""
+    return DASH if row.get("tau") is None else f"{row['tau']:g}"
+
+
+def window_cell(row: Mapping[str, Any]) -> str:
+    """The decoding window, or `—` for the whole block."""
+    return DASH if row.get("window") is None else str(row["window"])
