@@ -9,8 +9,8 @@
 Decodes the first `--n` requests of `--split` (test) with the trained models in
 `data/06_models/<system>` (as the `benchmark` pipeline does: the answer grammar on unless `--free`)
 and splits the wall time into
-* `forward`: the decoder's model calls (`_CachedRunner.forward`: transformer and LM head),
-* `grammar`: the answer grammar's checks and corrections (`_constrain_commits`),
+* `forward`: the decoder's model calls (`CachedRunner.forward`: transformer and LM head),
+* `grammar`: the answer grammar's checks and corrections (`constrain.constrain_commits`),
 * `other`: everything else (commit rule, canvas bookkeeping, Python between forwards).
 For diffusion it also splits tokens and forwards by part of the answer: the blocks of the
 explanation, the block where the ranking list starts, and the list's blocks. Window 0 on the command
@@ -64,7 +64,9 @@ from diffusion_gr2.core.bench.harness import (
 )
 from diffusion_gr2.core.bench.steps import StepRunner, decode_steps
 from diffusion_gr2.core.decode import decoder
+from diffusion_gr2.core.decode import steps as decoder_steps
 from diffusion_gr2.core.decode.decoder import DecodeConfig, decode
+from diffusion_gr2.core.decode.runner import CachedRunner
 from diffusion_gr2.core.model.diffusion import as_block_diffusion
 from diffusion_gr2.core.model.factory import ModelSpec, build_model, load_model
 from diffusion_gr2.core.rank.rerank import (
@@ -87,7 +89,7 @@ def _sync() -> None:
 @contextlib.contextmanager
 def _instrumented() -> Iterator[None]:
     """The decoder's forward and grammar calls timed into `TIMERS` (forward calls counted), then restored."""
-    forward, constrain = decoder._CachedRunner.forward, decoder._constrain_commits
+    forward, constrain = CachedRunner.forward, decoder_steps.constrain_commits
 
     def timed(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -101,12 +103,12 @@ def _instrumented() -> Iterator[None]:
 
         return wrapper
 
-    decoder._CachedRunner.forward = timed("forward", forward)  # type: ignore[method-assign]
-    decoder._constrain_commits = timed("grammar", constrain)  # type: ignore[assignment]
+    CachedRunner.forward = timed("forward", forward)  # type: ignore[method-assign]
+    decoder_steps.constrain_commits = timed("grammar", constrain)  # type: ignore[assignment]
     try:
         yield
     finally:
-        decoder._CachedRunner.forward, decoder._constrain_commits = forward, constrain  # type: ignore[method-assign]
+        CachedRunner.forward, decoder_steps.constrain_commits = forward, constrain  # type: ignore[method-assign]
 
 
 def _regions(outputs: list, tokenizer: Any, k: int) -> dict[str, dict[str, float]]:

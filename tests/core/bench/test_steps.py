@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from diffusion_gr2.core.bench.steps import DecodeStep, StepRunner, decode_steps
-from diffusion_gr2.core.decode import decoder
 from diffusion_gr2.core.decode.decoder import DecodeConfig, decode
+from diffusion_gr2.core.decode.runner import CachedRunner
 from tests.core.model.tiny import EOS, MASK, PAD, random_prompts, tiny_model_for, tiny_tokenizer
 
 K = 4
@@ -44,7 +44,7 @@ def test_each_step_kind_computes_its_pinned_logit_width(model) -> None:
 def test_the_step_kinds_are_the_decoders_own_steps(model, monkeypatch: pytest.MonkeyPatch) -> None:
     """Every forward of a real decode has the shape of a profiled kind (the canvas ones up to lo)."""
     seen: list[tuple[int, int, int, int]] = []  # (clean, canvas, lo, logit rows) of each forward
-    real = decoder._CachedRunner.forward
+    real = CachedRunner.forward
 
     def spy(self, clean, canvas, canvas_valid, lo=0, checked=0, **kw):
         logits = real(self, clean, canvas, canvas_valid, lo, checked, **kw)
@@ -52,7 +52,7 @@ def test_the_step_kinds_are_the_decoders_own_steps(model, monkeypatch: pytest.Mo
         seen.append((c, q, lo, logits.shape[1]))
         return logits
 
-    monkeypatch.setattr(decoder._CachedRunner, "forward", spy)
+    monkeypatch.setattr(CachedRunner, "forward", spy)
     prompts = random_prompts([7, 9])
     base = DecodeConfig(max_new_tokens=12, batch_size=2, eos_token_ids=(EOS,), pad_token_id=PAD)
     decode(model, prompts, dataclasses.replace(base, block_size=K, mask_token_id=MASK, threshold=0.9))

@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
-from diffusion_gr2.core.decode import decoder
+from diffusion_gr2.core.decode import runner as decode_runner
 from diffusion_gr2.core.decode.decoder import DecodeConfig, DecodeOutput, decode
 from diffusion_gr2.core.decode.draft import MAX_NGRAM, PromptLookup
 from diffusion_gr2.core.rank.rerank import request_grammars
@@ -113,13 +113,13 @@ def _plain_case(  # type: ignore[no-untyped-def]
     grammars = request_grammars(tokenizer, requests) if constrained else None
     plain = decode(model, prompts, cfg, grammars)
     holes: list[int] = []
-    with_holes = decoder._with_holes
+    with_holes = decode_runner.with_holes
 
     def counted(layout, end, rows):  # type: ignore[no-untyped-def]
         holes.append(sum(rows))
         return with_holes(layout, end, rows)
 
-    monkeypatch.setattr(decoder, "_with_holes", counted)
+    monkeypatch.setattr(decode_runner, "with_holes", counted)
     return tokenizer, model, cfg, prompts, grammars, plain, holes
 
 

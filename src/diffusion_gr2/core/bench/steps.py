@@ -1,13 +1,13 @@
 """What one decoding step of each kind runs, so its cost can be timed (`benchmarks/decode_profile.py`).
 
-A step is one forward against the decoder's exact KV cache (`decoder._CachedRunner.forward`) plus the
+A step is one forward against the decoder's exact KV cache (`runner.CachedRunner.forward`) plus the
 LM-head rows the decoder reads from it; on a 1M-parameter model with a ~2k vocabulary the LM head is
 a large share of a step, so a kind that skips it is not the step the decoder runs (issue 28: the
 profile once timed canvases with `lo=0`, an empty slice, i.e. no LM head at all). The kinds:
 
-* `ar_step`: AR decoding (`_first_token`): the token just written enters the cache, one LM-head row
+* `ar_step`: AR decoding (`decode.steps.first_token`): the token just written enters the cache, one LM-head row
   (it predicts the next token);
-* `canvas_q`: a later step of a block (`_run_block` without a clean part): q canvas positions fed,
+* `canvas_q`: a later step of a block (`decode.steps.run_block` without a clean part): q canvas positions fed,
   position 0 committed, the q - 1 masked positions after it read (lo = 1, the most such a step reads;
   q >= 2, since a step feeds at least its leftmost masked position and position 0 is committed);
 * `fused_k+q`: the first step of a block under `fused`: the finished block's k clean tokens enter the
@@ -26,8 +26,7 @@ import torch
 from torch import Tensor
 from transformers import PreTrainedModel
 
-from diffusion_gr2.core.decode import decoder
-from diffusion_gr2.core.decode.decoder import left_pad_prompts
+from diffusion_gr2.core.decode.runner import CachedRunner, lean_forward, left_pad_prompts
 from diffusion_gr2.core.model.masks import prompt_response_layout
 
 __all__ = ["DecodeStep", "StepRunner", "decode_steps"]
@@ -35,7 +34,7 @@ __all__ = ["DecodeStep", "StepRunner", "decode_steps"]
 
 @dataclass(frozen=True)
 class DecodeStep:
-    """The shape of one decoding step: the arguments of `_CachedRunner.forward`."""
+    """The shape of one decoding step: the arguments of `CachedRunner.forward`."""
 
     clean: int  # clean tokens that enter the cache (the token or block just written)
     canvas: int  # canvas positions fed (q)
@@ -43,7 +42,7 @@ class DecodeStep:
 
     @property
     def logit_rows(self) -> int:
-        """LM-head rows the step computes per batch row (`_CachedRunner.forward`'s columns)."""
+        """LM-head rows the step computes per batch row (`CachedRunner.forward`'s columns)."""
         if self.clean:  # the clean part's last position, then one row per canvas position but the last
             return max(self.canvas, 1)
         return self.canvas - self.lo  # the canvas alone: its positions lo .. q - 1
@@ -77,8 +76,8 @@ class StepRunner:
         ids, valid = left_pad_prompts([list(prompt)] * batch, 0, model.device)  # [b, p] each
         response = torch.ones(batch, width, dtype=torch.bool, device=model.device)  # room for any step
         layout = prompt_response_layout(valid, response, k)
-        lean = decoder._lean_forward(model, backend, layout.length)
-        self.runner = decoder._CachedRunner(model, layout, lean)
+        lean = lean_forward(model, backend, layout.length)
+        self.runner = CachedRunner(model, layout, lean)
         if compiled:
             if self.runner.lean is None:
                 raise ValueError("compiled steps need the lean backend")

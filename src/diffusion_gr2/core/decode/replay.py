@@ -21,7 +21,9 @@ import torch
 from torch import Tensor
 from transformers import DynamicCache, PreTrainedModel
 
-from diffusion_gr2.core.decode.decoder import DecodeOutput, fed_width, left_pad_prompts, leftmost_masked
+from diffusion_gr2.core.decode.commit import fed_width, leftmost_masked
+from diffusion_gr2.core.decode.config import DecodeOutput
+from diffusion_gr2.core.decode.runner import left_pad_prompts
 from diffusion_gr2.core.model.diffusion import cached_block_hidden, layout_hidden, lm_logits
 from diffusion_gr2.core.model.masks import Layout, prompt_response_layout
 
