@@ -7,7 +7,8 @@ published Qwen3 ``config.json`` files. What it counts, per GPU:
 
 * static: weights, gradients and AdamW moments kept in fp32 under bf16 autocast (4 + 4 + 8 = 16
   bytes a parameter, divided by the processes under FSDP's full shard, plus one decoder layer gathered
-  in bf16 while it runs); OPD adds its frozen AR teacher (fp32, on every GPU: it is not prepared, so
+  in bf16 while it runs, or, for the stages that decode (ar_rl, OPD, RL), the whole model gathered in
+  bf16 through each step: ``core/train/fsdp.py``); OPD adds its frozen AR teacher (fp32, on every GPU: it is not prepared, so
   never sharded) and its cached teacher logits.
 * activations of one sequence (prompt + response) kept for the backward pass in bf16 with SDPA
   attention and no recomputation, layer by layer; CFT runs the prompt, the clean response and two
@@ -75,7 +76,7 @@ class Stage:
     response_copies: int  # response-sized segments in the training forward
     scored_copies: int  # response-sized segments whose logits the loss reads
     frozen_teacher: bool = False
-    rollouts: bool = False  # decodes with the policy: FSDP not supported yet
+    rollouts: bool = False  # decodes with the policy: under FSDP it holds the full weights a whole step
 
 
 STAGES = (
@@ -92,7 +93,8 @@ def static_bytes(
 ) -> float:
     params = shape.params
     trained = 16 * params / (processes if sharded else 1)
-    gathered = 2 * 2 * shape.layer_params if sharded else 0  # the layer running and the next, in bf16
+    # in bf16: the layer running and the next, or every layer where the step decodes (core/train/fsdp.py)
+    gathered = (2 * params if stage.rollouts else 2 * 2 * shape.layer_params) if sharded else 0
     teacher = 4 * params + rows * response * shape.vocab * 4 if stage.frozen_teacher else 0
     return trained + gathered + teacher
 
@@ -135,16 +137,10 @@ def table(args: argparse.Namespace) -> list[str]:
             row = sequence_bytes(shape, stage, args.prompt_tokens, args.response_tokens) / GB
             on_ddp = fits(shape, stage, args.processes, False, args)
             on_fsdp = fits(shape, stage, args.processes, True, args)
-            if on_ddp:
-                config = "ddp.yaml"
-            elif on_fsdp and not stage.rollouts:
-                config = "fsdp.yaml"
-            else:
-                config = "does not fit (rollouts: DDP only)" if stage.rollouts and on_fsdp else "does not fit"
-            fsdp_rows = f"{on_fsdp}" if not stage.rollouts else f"({on_fsdp}: refused)"
+            config = "ddp.yaml" if on_ddp else "fsdp.yaml" if on_fsdp else "does not fit"
             lines.append(
                 f"| {shape.name} ({shape.params / 1e9:.2f}B) | {stage.name} | {ddp:.1f} | {fsdp:.1f} | {row:.1f} | "
-                f"{on_ddp} | {fsdp_rows} | {fewest_gpus(shape, stage, args)} | {config} |"
+                f"{on_ddp} | {on_fsdp} | {fewest_gpus(shape, stage, args)} | {config} |"
             )
     return lines
 

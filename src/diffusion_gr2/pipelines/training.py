@@ -41,17 +41,19 @@ def train_stage(
     params: dict[str, Any],
     *frames: pd.DataFrame,
     summarise: Callable[[list[dict[str, float]]], dict[str, float]] | None = None,
+    decodes: bool = False,
 ) -> tuple[torch.nn.Module, dict[str, Any]]:
     """Train ``model`` on the shared loop; the trained model and the stage's summary.
 
     Checkpoints live under a fingerprinted folder. ``summarise(history)`` adds run-wide figures to the
-    summary (the final step's metrics are there anyway). The model is trained in place, except under
+    summary (the final step's metrics are there anyway); ``decodes``: ``make_batch`` samples rollouts
+    with the model (OPD, RL). The model is trained in place, except under
     FSDP, where its parameters end as shards: a fresh model with the gathered weights is returned.
     """
     run_dir = Path(params["checkpoint_root"]) / stage / fingerprint(params, model, *frames)
     config = TrainConfig(output_dir=str(run_dir), **params["train"])
     start = time.perf_counter()
-    result = train(model, make_batch, loss_fn, config, MlflowTracker(stage))
+    result = train(model, make_batch, loss_fn, config, MlflowTracker(stage), decodes)
     if result.full_state_dict is not None:
         model = type(model)(model.config)
         model.load_state_dict(result.full_state_dict, strict=False)  # tied weights are stored once
@@ -109,15 +111,17 @@ def train_policy_rl(
     """
     train_requests = requests[requests["split"] == "train"].reset_index(drop=True)
     rollout, grpo = RolloutConfig(**params["rollout"]), GRPOConfig(**params["grpo"])
-    every = params["train"].get("checkpoint_every", TrainConfig.checkpoint_every)
+    train = TrainConfig(**params["train"])  # the typed loop settings: unknown keys refused
+    every = train.checkpoint_every
     if every > 0 and every % grpo.updates:
         raise ValueError(
             f"train.checkpoint_every ({every}) must be a multiple of the {grpo.updates} updates per rollout batch"
         )
     # each process samples its own shares of a step's rollout batch (the global batch stays the same)
-    grad_accum = params["train"].get("grad_accum", TrainConfig.grad_accum)
+    grad_accum = train.grad_accum
     make_batch = rl_batches(tokenizer, train_requests, rollout, grpo, grad_accum, launch_size())
     loss_fn = rl_loss(tokenizer.pad_token_id, grpo)
+    stage = params["stage"]
     return train_stage(
-        params["stage"], model, make_batch, loss_fn, params, train_requests, summarise=rl_diagnostics
+        stage, model, make_batch, loss_fn, params, train_requests, summarise=rl_diagnostics, decodes=True
     )

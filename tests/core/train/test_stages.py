@@ -45,8 +45,8 @@ from tests.core.text.synthetic import make_candidates, make_items, make_sids, si
 PROMPT = PromptConfig(history_in_prompt=4, title_words=2, max_categories=1)
 
 
-@pytest.fixture(scope="module")
-def task() -> dict:
+def make_task() -> dict:
+    """Tokenizer, SFT examples and encoded requests of a small synthetic catalogue (seeded)."""
     items, sids = make_items(60, seed=0), make_sids(60, seed=0)
     candidates = make_candidates(items, n_users=24, seed=0, history_len=6, n_candidates=4)
     lookup = ItemLookup.from_frames(items, sids, PROMPT)
@@ -60,6 +60,11 @@ def task() -> dict:
         "sft": encode_sft(sft_rows, tok),
         "requests": encode_requests(candidates, lookup, tok, PROMPT),
     }
+
+
+@pytest.fixture(scope="module")
+def task() -> dict:
+    return make_task()
 
 
 def policy_model(tok, block_size: int):

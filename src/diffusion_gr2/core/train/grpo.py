@@ -290,9 +290,12 @@ def grpo_loss(logits_fn: LogitsFn, config: GRPOConfig) -> Callable:
         extra = {**rnd.metrics, "ppo_epoch": float(batch.epoch)}
         if not batch.rows:
             # No kept rollout in this micro-batch (zero reward variance everywhere, or fewer kept
-            # rollouts than micro-batches): the loss is an exact zero, so skip the (replay) forward;
-            # a graph-connected zero keeps the optimiser step identical to computing it.
-            zero = sum(p.sum() for p in model.parameters() if p.requires_grad) * 0.0
+            # rollouts than micro-batches): the loss is an exact zero, still computed through one
+            # rollout's forward, so that every process runs the same modules: FSDP reduce-scatters a
+            # unit's gradient where its backward ends, and a process without a forward would issue
+            # them in another order than the others (core/train/fsdp.py).
+            new, _ = _scored_logprobs(model, logits_fn, rnd.inputs, [0], rnd.tokens[[0]], rnd.temperature)
+            zero = torch.where(rnd.mask[[0], : new.shape[1]].to(new.device), new, 0.0).sum() * 0.0
             return zero, {**extra, "clip_fraction": 0.0, "kl_old": 0.0, "ratio_mean": 1.0, "tokens": 0.0}
         rows = batch.rows
         new, logits = _scored_logprobs(model, logits_fn, rnd.inputs, rows, rnd.tokens[rows], rnd.temperature)

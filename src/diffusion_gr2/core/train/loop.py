@@ -32,6 +32,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState
 from accelerate.utils import DistributedType, InitProcessGroupKwargs, gather_object
+from torch.distributed.fsdp import FSDPModule
 from tqdm.auto import tqdm
 
 from diffusion_gr2.core.train.checkpoint import (
@@ -42,6 +43,7 @@ from diffusion_gr2.core.train.checkpoint import (
     restore_latest,
     save_checkpoint,
 )
+from diffusion_gr2.core.train.fsdp import full_weights, held_units
 
 logger = logging.getLogger(__name__)
 
@@ -180,6 +182,8 @@ class _Run:
     optimizer: Any
     scheduler: Any
     config: TrainConfig
+    # FSDP units whose full weights are held through each step (stages that decode; else empty)
+    held: list[FSDPModule] = field(default_factory=list)
 
     def batch_index(self, step: int, micro: int) -> int:
         """Global micro-batch index (0-based), distinct over steps, micro-batches and processes."""
@@ -219,16 +223,17 @@ def _train_step(run: _Run, step: int, make_batch: MakeBatch) -> dict[str, float]
     """One optimizer step (0-based ``step``) over ``grad_accum`` micro-batches; returns its metrics."""
     config, acc = run.config, run.accelerator
     micro_metrics: list[dict[str, float]] = []
-    for micro in range(config.grad_accum):
-        # accumulate: no gradient all-reduce until the last micro-batch; backward divides by grad_accum
-        with acc.accumulate(run.wrapped):
-            with acc.autocast():  # rollouts are sampled at the precision the loss scores them at
-                batch = move_to(make_batch(run.batch_index(step, micro), run.model), acc.device)
-            loss, metrics = run.wrapped(batch)
-            if not torch.isfinite(loss.detach()).all():
-                raise FloatingPointError(f"non-finite loss {loss.item()} at step {step + 1}")
-            acc.backward(loss)
-        micro_metrics.append({**{k: float(v) for k, v in metrics.items()}, "loss": float(loss.detach())})
+    with full_weights(run.held):  # under FSDP, rollout stages hold the full weights through the step
+        for micro in range(config.grad_accum):
+            # accumulate: no gradient all-reduce until the last micro-batch; backward divides by grad_accum
+            with acc.accumulate(run.wrapped):
+                with acc.autocast():  # rollouts are sampled at the precision the loss scores them at
+                    batch = move_to(make_batch(run.batch_index(step, micro), run.model), acc.device)
+                loss, metrics = run.wrapped(batch)
+                if not torch.isfinite(loss.detach()).all():
+                    raise FloatingPointError(f"non-finite loss {loss.item()} at step {step + 1}")
+                acc.backward(loss)
+            micro_metrics.append({**{k: float(v) for k, v in metrics.items()}, "loss": float(loss.detach())})
     grad_norm = math.nan
     if config.max_grad_norm > 0:
         grad_norm = float(acc.clip_grad_norm_(run.wrapped.parameters(), config.max_grad_norm))
@@ -310,23 +315,22 @@ def _make_accelerator(config: TrainConfig) -> Accelerator:
         return Accelerator(**kwargs)
 
 
-def _prepare(model: torch.nn.Module, loss_fn: LossFn, config: TrainConfig) -> _Run:
-    """Accelerator, AdamW, LR schedule, all prepared; the scheduler steps exactly once per step."""
+def _prepare(model: torch.nn.Module, loss_fn: LossFn, config: TrainConfig, decodes: bool) -> _Run:
+    """Accelerator, AdamW, LR schedule, all prepared; the scheduler steps exactly once per step.
+
+    ``decodes``: ``make_batch`` calls the model (rollouts), so under FSDP the step holds the full
+    weights (``core/train/fsdp.py``)."""
     acc = _make_accelerator(config)
     _check_world(acc)
     seed_everything(config.seed + acc.process_index)
     module = LossModule(model, loss_fn)
-    if acc.distributed_type == DistributedType.FSDP:
-        # FSDP2 shards the parameters in place: the optimizer must be built on the sharded ones.
-        wrapped = acc.prepare(module)
-        optimizer = _build_optimizer(wrapped, config)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: _lr_factor(s, config))
-        optimizer, scheduler = acc.prepare(optimizer, scheduler)
-    else:
-        optimizer = _build_optimizer(module, config)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: _lr_factor(s, config))
-        wrapped, optimizer, scheduler = acc.prepare(module, optimizer, scheduler)
-    return _Run(acc, acc.unwrap_model(wrapped).model, wrapped, optimizer, scheduler, config)
+    # Under FSDP2 accelerate shards the parameters in place and moves the optimizer onto the shards,
+    # which it does only when the model and its optimizer are prepared in one call.
+    optimizer = _build_optimizer(module, config)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: _lr_factor(s, config))
+    wrapped, optimizer, scheduler = acc.prepare(module, optimizer, scheduler)
+    held = held_units(wrapped) if decodes else []  # [] unless sharded
+    return _Run(acc, acc.unwrap_model(wrapped).model, wrapped, optimizer, scheduler, config, held)
 
 
 def peak_memory_mb(device: torch.device | None = None) -> float:
@@ -352,6 +356,7 @@ def train(
     loss_fn: LossFn,
     config: TrainConfig,
     tracker: Tracker | None = None,
+    decodes: bool = False,
 ) -> TrainResult:
     """Train ``model`` in place for ``config.max_steps`` optimizer steps.
 
@@ -360,9 +365,10 @@ def train(
     must be a pure function of the index and the seed — it may use the model (OPD/RL rollouts) and the
     global RNG, both restored exactly on resume. ``loss_fn(model, batch) -> (loss, metrics)`` gets the
     unwrapped model and runs inside the prepared module's forward. A run killed mid-way and restarted
-    with ``resume=True`` ends with exactly the weights of an uninterrupted run.
+    with ``resume=True`` ends with exactly the weights of an uninterrupted run. ``decodes``: say so
+    when ``make_batch`` decodes with the model (OPD/RL rollouts), which FSDP then allows.
     """
-    run = _prepare(model, loss_fn, config)
+    run = _prepare(model, loss_fn, config, decodes)
     with _released(run):
         return _train(run, make_batch, config, tracker)
 

@@ -28,7 +28,8 @@ def train_opd(
         tokenizer,
         train_requests,
         RolloutConfig(**params["rollout"]),
-        params["train"].get("grad_accum", TrainConfig.grad_accum),
+        TrainConfig(**params["train"]).grad_accum,
         launch_size(),
     )
-    return train_stage("opd", model_cft, make_batch, opd_loss(tokenizer.pad_token_id), params, train_requests)
+    loss_fn = opd_loss(tokenizer.pad_token_id)
+    return train_stage("opd", model_cft, make_batch, loss_fn, params, train_requests, decodes=True)
