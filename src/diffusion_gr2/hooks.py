@@ -31,22 +31,11 @@ logger = logging.getLogger(__name__)
 class LaunchHooks:
     """Refuse, before any node runs, a launch that cannot work: a plain ``kedro run`` started as several
     processes (``torchrun -m kedro run``: each would run every node and write every output; such
-    launches go through ``-m diffusion_gr2 run``), or rollout stages under FSDP (not supported yet)."""
-
-    ROLLOUT_NODES = ("train_ar_rl", "train_opd", "train_diffusion_rl")
+    launches go through ``-m diffusion_gr2 run``)."""
 
     @hook_impl
     def before_pipeline_run(self, run_params: dict[str, Any], pipeline: Any) -> None:
-        import os
-
         from diffusion_gr2.runner import RankAwareRunner, launch_size
-
-        rollouts = sorted(n.name for n in pipeline.nodes if n.name in self.ROLLOUT_NODES)
-        if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true" and rollouts:
-            raise RuntimeError(
-                f"{', '.join(rollouts)}: rollout stages do not run under FSDP yet; launch them with "
-                "conf/accelerate/ddp.yaml, or stop the FSDP launch before them (--to-nodes train_ar_sft)"
-            )
 
         runner = str(run_params.get("runner", ""))
         if launch_size() > 1 and RankAwareRunner.__name__ not in runner:
