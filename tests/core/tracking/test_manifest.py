@@ -160,7 +160,10 @@ def test_a_failed_rerun_leaves_its_files_labelled_with_no_timing_record(tmp_path
     RunReportDataset(str(tmp_path / "stage_metrics.json")).save(_figures(0.3)["stage_metrics"])
     manifest.end_run()
     table = results_markdown(tmp_path)
-    assert "* stage_metrics.json: run bbbbbbbb" in table and "no timing record (the run failed" in table
+    assert (
+        "* stage_metrics.json: run bbbbbbbb" in table
+        and "no node_times record (running when this was written, or failed)" in table
+    )
     assert "* comparisons.json, operating_point.json, benchmark.json: run aaaaaaaa" in table
 
 

@@ -224,7 +224,7 @@ def runs_text(sources: RunSources) -> str:
             lines.append(f"{', '.join(files)}: {NO_RECORD} (written before run manifests, or by hand)")
             continue
         times = None if folder is None else _times_of(folder, manifest)
-        took = _minutes(times) if times else "no timing record (the run failed, or was still running)"
+        took = _minutes(times) if times else "no node_times record (running when this was written, or failed)"
         lines.append(f"{', '.join(files)}: {manifest.label()}; {_machine(manifest.machine)}; {took}")
     if len(lines) == 1:
         text = f"Run: {lines[0]}."
