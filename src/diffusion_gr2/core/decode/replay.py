@@ -73,6 +73,25 @@ def _canvas_layout(layout: Layout, rows: Tensor, prefix: int, k: int, fed: Tenso
     )
 
 
+def _step_canvases(
+    tokens: Tensor, step_of: Tensor, mask_token_id: int, window: int | None, max_steps: int | None
+) -> tuple[Tensor, Tensor]:
+    """Every step canvas of one block, per row: `[m, S, k]` tokens (those committed before step s,
+    MASK elsewhere) and the positions each fed (S = the most steps a row's block ran; a row feeds
+    nothing in canvases it never ran). `tokens`, `step_of` `[m, k]`: the block's record."""
+    k = tokens.shape[1]
+    n_steps = step_of.max(1).values  # [m]: canvases each row's block ran
+    s = torch.arange(1, int(n_steps.max()) + 1, device=tokens.device)[None, :, None]  # canvas c runs step c
+    visible = (step_of[:, None, :] >= 0) & (step_of[:, None, :] < s)  # committed before that step
+    canvases = torch.where(visible, tokens[:, None, :], mask_token_id)  # [m, S, k]
+    fed = (s <= n_steps[:, None, None]).expand(-1, -1, k)  # [m, S, k]: canvases the row ran
+    if window is not None:  # the decoder's window, counted from each canvas's leftmost masked position
+        width = fed_width(leftmost_masked(~visible), k, window)  # [m, S]
+        width = torch.where(s[..., 0] == (max_steps or k), k, width)  # the step cap feeds it all
+        fed = fed & (torch.arange(k, device=tokens.device) < width[..., None])
+    return canvases, fed
+
+
 def replay_batch_logits(
     model: PreTrainedModel,
     prompts: Sequence[Sequence[int]],
@@ -111,20 +130,14 @@ def replay_batch_logits(
         rows = torch.nonzero((n_steps >= 1) & (lengths > start)).squeeze(1)
         if len(rows) == 0:
             continue
-        s_max = int(n_steps[rows].max())
         step_of = block_steps[rows]  # [m, k]
-        s = torch.arange(1, s_max + 1, device=dev)[None, :, None]  # canvas c runs step c
-        visible = (step_of[:, None, :] >= 0) & (step_of[:, None, :] < s)  # committed before that step
-        canvases = torch.where(visible, tokens[rows, None, start : start + k], mask_token_id)  # [m, S, k]
-        fed = (s <= n_steps[rows, None, None]).expand(-1, -1, k)  # [m, S, k]: canvases the row ran
-        if window is not None:  # the decoder's window, counted from each canvas's leftmost masked position
-            width = fed_width(leftmost_masked(~visible), k, window)  # [m, S]
-            width = torch.where(s[..., 0] == (max_steps or k), k, width)  # the step cap feeds it all
-            fed = fed & (torch.arange(k, device=dev) < width[..., None])
+        canvases, fed = _step_canvases(
+            tokens[rows, start : start + k], step_of, mask_token_id, window, max_steps
+        )
         lay = _canvas_layout(canvas_layout, rows, p + start, k, fed)
         canvas_h = cached_block_hidden(
             model, canvases.flatten(1), lay, _prefix_cache(cache, p + start, rows), full_mask=True
-        ).view(len(rows), s_max, k, -1)
+        ).view(len(rows), fed.shape[1], k, -1)
         # token j >= 1 of the block, committed at step s >= 1, is predicted at position j - 1 of canvas
         # s; token 0 always by the clean prefix (also when a fused forward committed it at step 1)
         in_output = start + torch.arange(k, device=dev) < lengths[rows, None]

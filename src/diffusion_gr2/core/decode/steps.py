@@ -31,7 +31,7 @@ class _Fed:
 
     rows: list[int]
     leftmost: list[int]
-    fed: list[int]
+    widths: list[int]
     lo: int
     copies: list[list[int]] | None
 
@@ -99,9 +99,10 @@ def _picks(
     """Per fed row: the positions open to commit, the commit rule's picks on the (gated) confidences,
     and its copy drafts aligned to the forward's positions (None without copy drafts)."""
     cfg, lo, m = st.cfg, fed.lo, len(tokens[0])
-    cands, chosen, drafts = [], [], None if fed.copies is None else []
+    cands, chosen = [], []
+    aligned_rows: list[list[int | None]] = []  # each row's copy drafts at the forward's positions
     for i, r in enumerate(fed.rows):
-        cand = [blk.masked[r][j] and j < fed.fed[i] for j in range(lo, lo + m)]
+        cand = [blk.masked[r][j] and j < fed.widths[i] for j in range(lo, lo + m)]
         conf = logps[i]
         if lo == 0:  # column 0, the block's first token, is predicted by the clean part, not the
             # canvas; only this forward predicts it: every rule takes it, as if certain
@@ -111,7 +112,7 @@ def _picks(
         if fed.copies is not None:  # a draft the model's own token agrees with is certain
             aligned = CopyDrafter.aligned(fed.copies[i], fed.leftmost[i], lo, m)
             conf = CopyDrafter.certain(conf, tokens[i], aligned)
-            drafts.append(aligned)  # type: ignore[union-attr]
+            aligned_rows.append(aligned)
         if cfg.sid_threshold is not None:
             start = _gate_start(st, blk, r, lo, tokens[i])
             conf = sid_gated(conf, tokens[i], cfg.sid_threshold, cfg.sid_token_ids, start)
@@ -121,7 +122,7 @@ def _picks(
         if aligned is not None and cut:  # the run ends at a draft it leaves: later logits read it
             pick = CopyDrafter.until_disagreement(pick, tokens[i], aligned)
         chosen.append(pick)
-    return cands, chosen, drafts
+    return cands, chosen, None if fed.copies is None else aligned_rows
 
 
 def _gate_start(st: Batch, blk: Block, row: int, lo: int, chosen: Sequence[int]) -> int:
