@@ -34,12 +34,19 @@ def _params(sweep_max_requests: int | None) -> dict[str, Any]:
         "max_requests": None,
         "sweep_max_requests": sweep_max_requests,
         "taus": [0.9, 0.5],
-        "operating_point": {
+        "taus_by_system": {},
+        "operating_point": {  # every key the node reads (no defaults in code): no floors, no timing
             "systems": ["rl"],
             "reference": "ar_rl",
             "budget": 1.0,  # untrained models: every setting qualifies, the fastest is served
+            "n_boot": 1000,
+            "min_unforced_rate": None,
+            "floor_screen": None,
+            "min_speed_ratio": None,
+            "speed_batch_size": 1,
             "taus": [0.5],
             "windows": [None],
+            "timing": None,
         },
         "decoding": {"max_new_tokens": 8, "batch_size": 4, "constrained": False, "device": "cpu"},
     }
@@ -98,7 +105,7 @@ def test_a_candidate_far_below_the_own_valid_floor_stops_at_the_screen(world) ->
     assert candidate["floor_screen"] == {"n": 2, "own_valid_upper": pytest.approx(1 / 3), "passed": False}
     assert _n_by_pass(result["rankings"])[("valid", 0.5)] == 2
     # Without a floor the screen has nothing to test against: every validation request is decoded.
-    del params["operating_point"]["min_unforced_rate"]
+    params["operating_point"]["min_unforced_rate"] = None
     full = make_rerank_node("rl")(tiny_model_for(tokenizer, block_size=4), requests, tokenizer, params, ar)
     assert _n_by_pass(full["rankings"])[("valid", 0.5)] == N_USERS
 

@@ -105,7 +105,9 @@ RANKING_COLUMNS = (
 class RerankConfig:
     """How the inference stage decodes; the model's config supplies block size and mask id."""
 
-    max_new_tokens: int = 256  # reasoning (~130 tokens in the paper) + a 10-SID JSON answer
+    # Defaults are conf/base's `inference.decoding` (tests/test_config.py holds them equal) except
+    # `sid_threshold`: None (off) here for callers outside a Kedro run (rollouts, scripts, tests).
+    max_new_tokens: int = 192  # teacher responses (reasoning + a 10-SID JSON answer): 107-142 tokens
     batch_size: int = 16  # rows decoded together
     max_steps_per_block: int | None = None  # None -> block size (the decoder's default cap)
     commit_rule: str = DecodeConfig.commit_rule  # diffusion systems: which positions a step commits

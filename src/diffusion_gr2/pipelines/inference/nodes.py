@@ -62,7 +62,7 @@ def _valid_cap(system: str, params: dict[str, Any], chooses: bool) -> int | None
     """
     if chooses or system == params["operating_point"]["reference"]:
         return None
-    return params.get("sweep_max_requests")
+    return params["sweep_max_requests"]
 
 
 def _test_passes(
@@ -77,14 +77,14 @@ def _test_passes(
     """
     if system in AR_SYSTEMS:
         reference = params["operating_point"]["reference"]
-        return [([(None, None)], None if system == reference else params.get("sweep_max_requests"))]
+        return [([(None, None)], None if system == reference else params["sweep_max_requests"])]
     served = (
         []
         if operating_point is None or operating_point["tau"] is None
         else [(operating_point["tau"], operating_point["window"])]
     )
     sweep = [s for s in _sweep(params, system) if s not in served]
-    passes = [(sweep, params.get("sweep_max_requests")), (served, None)]
+    passes = [(sweep, params["sweep_max_requests"]), (served, None)]
     return [(settings, cap) for settings, cap in passes if settings]
 
 
@@ -96,7 +96,7 @@ def rerank_prerank(requests: pd.DataFrame, params: dict[str, Any]) -> pd.DataFra
 
 def _sweep(params: dict[str, Any], system: str) -> list[TauWindow]:
     """The tau sweep (whole-block canvas) of `system`: `taus`, unless `taus_by_system` narrows it."""
-    taus = (params.get("taus_by_system") or {}).get(system, params["taus"])
+    taus = params["taus_by_system"].get(system, params["taus"])
     return [(float(t), None) for t in taus]
 
 
@@ -136,8 +136,8 @@ def make_rerank_node(system: str) -> Callable[..., pd.DataFrame | dict[str, Any]
             cap = _valid_cap(system, params, chooses)
             valid = valid if cap is None else valid.head(int(cap))
             settings = operating_point_settings(params) if chooses else _sweep(params, system)
-            screen = params["operating_point"].get("floor_screen") if chooses else None
-            floor = params["operating_point"].get("min_unforced_rate")
+            screen = params["operating_point"]["floor_screen"] if chooses else None
+            floor = params["operating_point"]["min_unforced_rate"]
             if screen and floor is not None:
                 rows, speeds = rerank_screened(
                     model, valid, tokenizer, system, settings, config, floor, screen["requests"], screen["z"]
@@ -146,7 +146,7 @@ def make_rerank_node(system: str) -> Callable[..., pd.DataFrame | dict[str, Any]
                 rows, speeds = rerank_system(model, valid, tokenizer, system, settings, config, "valid")
             frames.append(rows)
             if chooses:
-                timing = params["operating_point"].get("timing")
+                timing = params["operating_point"]["timing"]
                 timed = (
                     None
                     if not timing
@@ -234,7 +234,7 @@ def _operating_point(
         reason = f"no validation rankings of the reference {name!r} to compare with"
         logger.warning("%s: %s", system, reason)
         return refused_operating_point(speeds, float("nan"), budget, reason, name)
-    n_boot, key = int(params.get("n_boot", 1000)), paired_key(name)
+    n_boot, key = int(params["n_boot"]), paired_key(name)
     speeds = [
         s | paired_recall(setting_rows(rows, s["tau"], s["window"]), ref_rows, name, n_boot) for s in speeds
     ]
@@ -245,7 +245,7 @@ def _operating_point(
             s.get("unforced_rate", float("nan")),
         )  # fmt: skip
     if timed is not None:
-        speeds = _time_admitted(system, speeds, timed, budget, name, params.get("min_unforced_rate"))
+        speeds = _time_admitted(system, speeds, timed, budget, name, params["min_unforced_rate"])
     ref_recall = _recall(ref_rows)
     try:
         operating_point = choose_operating_point(
@@ -253,9 +253,9 @@ def _operating_point(
             ref_recall,
             budget,
             name,
-            params.get("min_unforced_rate"),
-            params.get("min_speed_ratio"),
-            int(params.get("speed_batch_size", 1)),
+            params["min_unforced_rate"],
+            params["min_speed_ratio"],
+            int(params["speed_batch_size"]),
         )
     except OperatingPointError as err:
         logger.warning("%s has no operating point: %s", system, err)

@@ -55,8 +55,8 @@ def plan_warm_start(params: dict[str, Any], ingest_report: dict[str, Any]) -> di
 
     Runs after the ingest (its report is an input only for the order): the retrain lock is held.
     """
-    warm = params.get("warm_start") or {}
-    if not warm.get("enabled", False):
+    warm = params["warm_start"]
+    if not warm["enabled"]:
         return {"warm": False, "reason": "retrain.warm_start.enabled is false"}
     client = MlflowClient()
     champion = registry.alias_version(registry.DIFFUSION_MODEL, registry.CHAMPION, client)
@@ -91,7 +91,7 @@ def plan_warm_start(params: dict[str, Any], ingest_report: dict[str, Any]) -> di
             {"warm_start": "true", **{f"warm_start.{s}_version": m["version"] for s, m in models.items()}}
         )
     logger.info("warm start from %s", ", ".join(f"{m['name']} v{m['version']}" for m in models.values()))
-    return {"warm": True, "models": models, "budgets": dict(warm.get("budgets") or {})}
+    return {"warm": True, "models": models, "budgets": dict(warm["budgets"])}
 
 
 def champion_files(node_name: str, plan: dict[str, Any] | None) -> dict[str, Path]:
