@@ -119,7 +119,8 @@ def _stages(task: dict, rank: int, out: Path) -> None:
             torch.manual_seed(0)
             teacher, model = tiny_model_for(tok, num_layers=2), tiny_model_for(tok, 4, num_layers=2)
             if stage == "rl":
-                grpo = GRPOConfig(0.2, 0.2)
+                # old log-probs recomputed: a transformers forward inside make_batch, before the root's
+                grpo = GRPOConfig(0.2, 0.2, recompute_old_logprobs=True)
                 make_batch = _emptied(rl_batches(tok, requests, rollout, grpo, 1, 2), rank)
                 loss_fn, steps = rl_loss(tok.pad_token_id, grpo), RL_STEPS
             else:
