@@ -123,9 +123,25 @@ def serve(args: argparse.Namespace, client) -> int:  # noqa: ANN001 (an MlflowCl
     # --env-manager local: the project's own environment serves the model (nothing is downloaded)
     env["PATH"] = f"{bin_dir}{os.pathsep}{env.get('PATH', '')}"
     env.setdefault("MLFLOW_SCORING_SERVER_REQUEST_TIMEOUT", "300")
+    env |= _request_log_environment(uri, client)
     argv = [str(bin_dir / "mlflow"), "models", "serve", "-m", uri, "--env-manager", "local"]
     os.execve(argv[0], [*argv, "-h", args.host, "-p", str(args.port), "-w", "1"], env)
     return 0  # not reached: the process is now the scoring server
+
+
+def _request_log_environment(uri: str, client) -> dict[str, str]:  # noqa: ANN001 (an MlflowClient)
+    """`serving.request_log` and the version `uri` names now, for the scoring server's workers (they
+    load the model without the project's configuration; `core/tracking/request_log.py`)."""
+    from kedro.config import OmegaConfigLoader
+
+    from diffusion_gr2.core.tracking.registry import resolve_uri
+    from diffusion_gr2.core.tracking.request_log import RequestLogConfig, ServedModel, server_environment
+    from diffusion_gr2.settings import CONFIG_LOADER_ARGS
+
+    loader = OmegaConfigLoader("conf", env=os.environ.get("KEDRO_ENV"), **CONFIG_LOADER_ARGS)
+    config = RequestLogConfig(**loader["parameters"]["serving"]["request_log"])
+    ref = resolve_uri(uri, client)
+    return server_environment(config, ServedModel(ref and ref.name, ref and ref.version, uri))
 
 
 def summary(reporting: str) -> str:

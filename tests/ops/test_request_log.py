@@ -162,3 +162,31 @@ def test_the_rerank_pipeline_writes_the_same_log(store: str, world: World, tmp_p
     frame, _ = read_log(tmp_path)
     assert frame["request_id"].tolist() == ["r0"]  # the refused request is not an answer
     assert (frame["model_version"].iloc[0], frame["source"].iloc[0]) == (ref.version, "rerank")
+
+
+def test_serve_hands_the_log_settings_and_the_served_version_to_the_scoring_server(
+    store: str, world: World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from diffusion_gr2.__main__ import ops
+    from diffusion_gr2.core.tracking.request_log import ENV_CONFIG, ENV_MODEL
+    from tests.conftest import PROJECT_ROOT
+
+    ref = registry.register_reranker(
+        registry.DIFFUSION_MODEL, world.models["rl"], world.items, world.sids, world.config()
+    )
+    registry.promote(registry.DIFFUSION_MODEL, ref.version, "test")
+    monkeypatch.chdir(PROJECT_ROOT)  # serve reads conf/ of the working directory
+    started = {}
+
+    def execve(path: str, argv: list[str], env: dict[str, str]) -> None:
+        started.update(argv=argv, env=env)
+        raise SystemExit(0)  # stands in for the process becoming the server
+
+    monkeypatch.setattr("diffusion_gr2.__main__.os.execve", execve)
+    with pytest.raises(SystemExit):
+        ops(["serve"])
+    settings = json.loads(started["env"][ENV_CONFIG])
+    assert settings["enabled"] is True
+    assert settings["folder"] == str(PROJECT_ROOT / "data/07_model_output/request_log")
+    served = json.loads(started["env"][ENV_MODEL])
+    assert (served["name"], served["version"]) == (registry.DIFFUSION_MODEL, ref.version)
