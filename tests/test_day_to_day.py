@@ -18,6 +18,7 @@ import pandas as pd
 import pytest
 import yaml
 
+from diffusion_gr2.core.rank.rerank import SERVED_DIFFUSION
 from diffusion_gr2.core.tracking import registry
 from tests.conftest import isolated_project, run_kedro
 from tests.ops.test_serving import free_port
@@ -59,7 +60,7 @@ def test_refused_rl_and_teacher_end_serving_the_prerank(dag_run: Path, tmp_path:
         shutil.copytree(dag_run / "data", root / "data", dirs_exist_ok=True)
         refusal = "own valid rate 0.40 < 0.5 at every candidate tau (forced by the test)"
         (root / "data/08_reporting/operating_point.json").write_text(
-            json.dumps({"rl": {"tau": None, "window": None, "refused": refusal}})
+            json.dumps({SERVED_DIFFUSION: {"tau": None, "window": None, "refused": refusal}})
         )
         conf = root / "conf/smoke/parameters_retrain.yml"
         params = yaml.safe_load(conf.read_text())

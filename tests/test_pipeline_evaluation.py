@@ -25,6 +25,7 @@ from tests.core.model.tiny import tiny_model_for
 from tests.core.rank.world import make_world
 
 N_USERS, SMOKE_USERS, SMOKE_TAUS = 10, 8, [0.9]  # smoke params: max_users 8, taus [0.9]
+OPERATING_POINT_SYSTEMS = ("rl", "distilled")  # smoke: inference.operating_point.systems
 
 
 def _catalog(project: Path) -> dict[str, dict]:
@@ -66,18 +67,21 @@ def evaluation_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
 def test_rankings_hold_every_system_and_tau(evaluation_run: Path) -> None:
     rankings = pd.read_parquet(evaluation_run / "data/07_model_output/rankings.parquet")
     points = read_report(evaluation_run / "data/08_reporting/operating_point.json")[0]
-    assert set(points) == {"rl"}  # smoke: operating_point.systems [rl]
-    chosen = (points["rl"]["tau"], points["rl"]["window"])
-    assert chosen in {(0.9, None), (0.9, 4)} and points["rl"]["split"] == "valid"
-    assert len(points["rl"]["candidates"]) == 2  # smoke: taus [0.9] x windows [null, 4]
-    for c in points["rl"]["candidates"]:  # each paired with ar_rl on the same validation requests
-        assert c["recall@1_vs_ar_rl.n"] == SMOKE_USERS
-        assert c["recall@1_vs_ar_rl.low"] <= c["recall@1_vs_ar_rl"] <= c["recall@1_vs_ar_rl.high"]
+    assert set(points) == set(OPERATING_POINT_SYSTEMS)  # smoke: operating_point.systems
     sweep = [(s, None, None) for s in ("prerank", *AR_SYSTEMS)] + [
         (s, t, None) for s in DIFFUSION_SYSTEMS for t in SMOKE_TAUS
     ]
-    expected = [("valid", *v) for v in sweep] + [("valid", "rl", 0.9, 4)]  # the operating-point grid
-    expected += [("test", *v) for v in sweep] + ([("test", "rl", *chosen)] if chosen[1] else [])
+    expected = [("valid", *v) for v in sweep] + [("test", *v) for v in sweep]
+    for system in OPERATING_POINT_SYSTEMS:
+        point = points[system]
+        chosen = (point["tau"], point["window"])
+        assert chosen in {(0.9, None), (0.9, 4)} and point["split"] == "valid"
+        assert len(point["candidates"]) == 2  # smoke: taus [0.9] x windows [null, 4]
+        for c in point["candidates"]:  # each paired with ar_rl on the same validation requests
+            assert c["recall@1_vs_ar_rl.n"] == SMOKE_USERS
+            assert c["recall@1_vs_ar_rl.low"] <= c["recall@1_vs_ar_rl"] <= c["recall@1_vs_ar_rl.high"]
+        expected.append(("valid", system, 0.9, 4))  # the operating-point grid
+        expected += [("test", system, *chosen)] if chosen[1] else []
     groups = rankings.groupby(["split", "system", "tau", "window"], sort=False, dropna=False).size()
     got = [(sp, s, None if pd.isna(t) else t, None if pd.isna(w) else int(w)) for sp, s, t, w in groups.index]
     assert sorted(got, key=str) == sorted(expected, key=str)
@@ -174,11 +178,13 @@ def test_evaluation_is_logged_to_mlflow(evaluation_run: Path) -> None:
     }
 
 
-# The operating points the benchmark reads: cft at a whole-block tau, rl with a window, opd refused.
+# The operating points the benchmark reads: cft at a whole-block tau, rl and distilled with a window,
+# opd refused.
 OPERATING_POINTS = {
     "cft": {"tau": 0.9, "window": None, "refused": None},
     "opd": {"tau": None, "window": None, "refused": "no (tau, window) reaches R@1 0.500 on validation"},
     "rl": {"tau": 0.9, "window": 2, "refused": None},
+    "distilled": {"tau": 0.9, "window": 2, "refused": None},
 }
 
 
@@ -209,17 +215,18 @@ def test_benchmark_pipeline_times_ar_generate_and_each_operating_point(benchmark
         ("cft", 0.9, None),
         ("opd", 0.9, None),  # refused: timed at the unserved tau, not marked served
         ("rl", 0.9, 2),
+        ("distilled", 0.9, 2),
     ]
     expected = [(*line, c, b) for line in lines for c in (True, False) for b in (1, 4)]  # smoke: 1 and 4
-    # after the AR lines, rl drafting for ar_rl (lossless, batch 1, both flags)
-    expected[8:8] = [("ar_rl+rl-draft", None, None, c, 1) for c in (True, False)]
-    expected.append(("rl", 0.9, None, True, 1))  # the sweep (smoke: tau 0.9, batch 1, as served)
+    # after the AR lines, the served system drafting for ar_rl (lossless, batch 1, both flags)
+    expected[8:8] = [("ar_rl+distilled-draft", None, None, c, 1) for c in (True, False)]
+    expected.append(("distilled", 0.9, None, True, 1))  # the sweep (smoke: tau 0.9, batch 1, as served)
     assert [(r["system"], r["tau"], r["window"], r["constrained"], r["batch_size"]) for r in rows] == expected
-    assert [r["operating_point"] for r in rows] == [True] * 14 + [False] * 4 + [True] * 4 + [False]
+    assert [r["operating_point"] for r in rows] == [True] * 14 + [False] * 4 + [True] * 8 + [False]
     for c in (True, False):  # the drafted row writes ar_rl's tokens, in fewer forwards
         plain, drafted = (
             next(r for r in rows if r["system"] == s and r["constrained"] == c and r["batch_size"] == 1)
-            for s in ("ar_rl", "ar_rl+rl-draft")
+            for s in ("ar_rl", "ar_rl+distilled-draft")
         )
         assert drafted["mean_output_tokens"] == plain["mean_output_tokens"]
         assert drafted["nfe_per_sample"] <= plain["nfe_per_sample"]
@@ -240,7 +247,7 @@ def test_benchmark_pipeline_times_ar_generate_and_each_operating_point(benchmark
     by_length = read_report(benchmark_run / "data/08_reporting/speedup_by_length.json")[0]
     # the length sweep: every served line (and opd's unserved one) under the smoke budgets and its own
     assert {(r["system"], r["budget"]) for r in by_length} == {
-        (s, b) for s in ("ar_rl", "cft", "opd", "rl") for b in (64, 96, 160)
+        (s, b) for s in ("ar_rl", "cft", "opd", "rl", "distilled") for b in (64, 96, 160)
     }
     for name in ("speedup_by_batch", "speedup_by_length"):
         assert (benchmark_run / f"data/08_reporting/plots/{name}.png").read_bytes()[:4] == b"\x89PNG"

@@ -12,6 +12,7 @@ from mlflow import MlflowClient
 from transformers import PreTrainedTokenizerFast
 
 from diffusion_gr2.core.data.recbole import embedded_ml100k_folder
+from diffusion_gr2.core.rank.rerank import SERVED_DIFFUSION
 from diffusion_gr2.core.tracking import registry
 from diffusion_gr2.core.tracking.lineage_report import lineage_lines
 from tests.conftest import isolated_project, run_kedro
@@ -72,7 +73,7 @@ def test_a_cold_retrain_then_a_warm_one_from_its_champion(tmp_path: Path) -> Non
         (incoming / "ml-100k.week2.inter").write_text(fresh_rows(20, offset=200))
         run_kedro(root, ["retrain"])
         plan = read(root, "retrain/warm_start.json")
-        assert plan["warm"] and plan["models"]["rl"]["version"] == first["challenger_version"]
+        assert plan["warm"] and plan["models"][SERVED_DIFFUSION]["version"] == first["challenger_version"]
         budgets = params["retrain"]["warm_start"]["budgets"]
         assert read(root, "training/ar_mid.json") == {"steps": 0, "skipped": True}
         assert read(root, "training/ar_sft.json")["steps"] == budgets["teacher_sft"]["max_steps"]

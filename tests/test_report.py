@@ -129,7 +129,7 @@ def test_report_numbers_equal_stage_metrics_comparisons_and_reasoning(dag_run: P
     reasoning = [r for r in _data(dag_run, "reasoning_metrics.json") if r["split"] == "test"]
     table = _table(report, "## Reasoning quality (test")
     assert [_variant(c) for c in table] == [(r["system"], r["tau"], r["window"]) for r in reasoning]
-    assert {r["system"] for r in reasoning} == {"ar_sft", "ar_rl", "naive", "cft", "opd", "rl"}
+    assert {r["system"] for r in reasoning} == {"ar_sft", "ar_rl", "naive", "cft", "opd", "rl", "distilled"}
     for cells, row in zip(table, reasoning, strict=True):
         for metric, text in zip(REASONING_METRICS, cells[4:], strict=True):
             _assert_cell(text, row[metric], row["ci"][metric])
