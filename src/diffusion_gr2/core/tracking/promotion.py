@@ -79,7 +79,7 @@ def gate_and_promote(
     the diffusion gate's.
     """
     client = client or MlflowClient()
-    names = {"diffusion": registry.DIFFUSION_MODEL, "teacher": registry.TEACHER_MODEL}
+    names = registry.RERANKER_MODELS
     new = {s: versions.get(s) for s in names}
     # the new versions, and each model's champion it is compared with
     rankers = {s: load(f"models:/{names[s]}/{v}") for s, v in new.items() if v is not None}

@@ -39,6 +39,7 @@ if TYPE_CHECKING:  # serving imports torch and the decoder: ~7 s the read-only c
 logger = logging.getLogger(__name__)
 
 __all__ = [
+    "RERANKER_MODELS",
     "CHALLENGER",
     "CHAMPION",
     "DIFFUSION_MODEL",
@@ -61,6 +62,8 @@ __all__ = [
 DIFFUSION_MODEL = "diffusion-gr2"
 TEACHER_MODEL = "diffusion-gr2-teacher"
 PRERANK_MODEL = "diffusion-gr2-prerank"
+# The re-rankers a registration holds, by role (the gate's and the registration's keys).
+RERANKER_MODELS = {"teacher": TEACHER_MODEL, "diffusion": DIFFUSION_MODEL}
 SERVING_ORDER = (DIFFUSION_MODEL, TEACHER_MODEL, PRERANK_MODEL)  # best first: what `make serve` serves
 CHALLENGER, CHAMPION = "challenger", "champion"
 

@@ -126,27 +126,20 @@ def register_models(
     never becomes a challenger): its version is None and `not_registered` says why; the teacher still
     is, and goes through its own gate (`core/tracking/promotion.py`).
     """
-    configs, not_registered = {}, None
-    for system in ("ar_rl", SERVED_DIFFUSION):
+    digests, run = DigestCache(), mlflow.active_run()
+    refs: dict[str, str | None] = {"diffusion": None}
+    not_registered = None
+    for role, system in (("teacher", "ar_rl"), ("diffusion", SERVED_DIFFUSION)):  # the teacher first
         try:
-            configs[system] = _serving(system, operating_point, params, traces, inference)
+            config, source = _serving(system, operating_point, params, traces, inference)
         except NoOperatingPoint as err:
             not_registered = (
                 f"{system} not registered: {err} (set retrain.register_without_operating_point to "
                 f"register it at the fallback tau {params['fallback_tau']}, tagged as such)"
             )
             logger.warning("%s", not_registered)
-    digests, run = DigestCache(), mlflow.active_run()
-    refs: dict[str, str | None] = {"diffusion": None}
-    roles = (
-        ("teacher", "ar_rl", registry.TEACHER_MODEL),
-        ("diffusion", SERVED_DIFFUSION, registry.DIFFUSION_MODEL),
-    )
-    for role, system, name in roles:
-        if system not in configs:
             continue
         folder = Path(params["model_dirs"][role])
-        config, source = configs[system]
         tags = {
             "lineage.model.name": f"model_{system}",
             "lineage.model.path": str(folder),
@@ -156,6 +149,7 @@ def register_models(
         }
         if role == "diffusion":
             tags["teacher_version"] = refs["teacher"]
+        name = registry.RERANKER_MODELS[role]
         refs[role] = registry.register_reranker(name, folder, items, sids, config, tags).version
     prerank = ServingConfig(system=PRERANK, tau=None, limits=dict(params.get("limits") or {}))
     run_tag = {"lineage.model.run_id": run.info.run_id if run else ""}
