@@ -116,11 +116,11 @@ class RerankConfig:
     backend: str = DecodeConfig.backend  # the model forward: "auto", "lean" or "eager" (decoder.BACKENDS)
     jump_forward: bool = DecodeConfig.jump_forward  # constrained: write tokens the grammar forces at once
     # AR systems: drafts verified in one forward, lossless ("prompt" = prompt lookup; None = off).
-    # Diffusion systems decode without them whatever this says (decoder.py, drafts).
+    # Diffusion systems decode without them whatever this says (core/decode/drafters.py).
     draft: str | None = DecodeConfig.draft
     draft_tokens: int = DecodeConfig.draft_tokens  # draft tokens fed per forward at most
     # Diffusion systems: copy drafts (prompt-lookup continuations fed as tokens, committed where the
-    # model agrees; not lossless, so chosen on validation: decoder.py, drafts). AR: see `draft`.
+    # model agrees; not lossless, so chosen on validation: core/decode/drafters.py). AR: see `draft`.
     copy_drafts: bool = False
     # Under the grammar: the explanation may cite only the prompt's SIDs, whole; the rest of a SID
     # its first tokens pin is then forced (jump-forward writes it). Stricter, so own validity can
@@ -310,7 +310,7 @@ def own_valid_flags(rows: pd.DataFrame) -> pd.Series:
 
 def needs_own_pass(config: DecodeConfig, grammars: Sequence[AnswerGrammar] | None) -> bool:
     """Whether served answers can differ from the model's own without a correction being counted:
-    diffusion under a grammar with jump-forward (AR jump-forward is exact, see decoder.py)."""
+    diffusion under a grammar with jump-forward (AR jump-forward is exact, see core/decode/steps.py)."""
     return grammars is not None and config.block_size > 1 and config.jump_forward
 
 
