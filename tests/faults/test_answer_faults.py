@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from diffusion_gr2.core.decode.grammar import AnswerGrammar, GrammarTokens
+from diffusion_gr2.core.decode.grammar import AnswerGrammar
+from diffusion_gr2.core.decode.grammar_tokens import GrammarTokens
 from diffusion_gr2.core.text import parser as P
 from diffusion_gr2.core.text.parser import parse_answer
 from diffusion_gr2.core.text.tokenizer import IM_END, build_tokenizer

@@ -13,7 +13,8 @@ from torch import Tensor
 from transformers import PreTrainedTokenizerFast
 
 from diffusion_gr2.core.decode.decoder import DecodeConfig, decode
-from diffusion_gr2.core.decode.grammar import AnswerGrammar, GrammarTokens, accepts, prompt_sids
+from diffusion_gr2.core.decode.grammar import AnswerGrammar, accepts
+from diffusion_gr2.core.decode.grammar_tokens import GrammarTokens, prompt_sids
 from diffusion_gr2.core.rank.rerank import request_grammars
 from diffusion_gr2.core.text.parser import parse_answer
 from diffusion_gr2.core.text.prompt import render_answer

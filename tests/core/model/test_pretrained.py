@@ -17,7 +17,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from diffusion_gr2.core.decode.decoder import DecodeConfig, decode
-from diffusion_gr2.core.decode.grammar import LIST_KEY, list_key_ids
+from diffusion_gr2.core.decode.grammar_tokens import LIST_KEY, list_key_ids
 from diffusion_gr2.core.model.diffusion import convert_to_block_diffusion
 from diffusion_gr2.core.model.factory import (
     ModelSpec,

@@ -66,7 +66,7 @@ class DecodeConfig:
     sid_threshold: float | None = None
     sid_token_ids: frozenset[int] = frozenset()
     # The SID threshold holds only after this token sequence (the ranking list's key,
-    # `grammar.list_key_ids`): the explanation's cited SIDs keep `threshold`. Empty = everywhere.
+    # `grammar_tokens.list_key_ids`): the explanation's cited SIDs keep `threshold`. Empty = everywhere.
     sid_after: tuple[int, ...] = ()
 
 

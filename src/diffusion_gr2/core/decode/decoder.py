@@ -8,7 +8,8 @@ blocks). Read top to bottom:
   rows done with their block left out of a forward.
 * `commit.py`: pure functions: the choice, the window, the commit rule (`prefix`, `confident`) and
   the SID gate.
-* `constrain.py`: the constraint walk (the answer grammar of `grammar.py`, jump-forward).
+* `constrain.py`: the constraint walk (the answer grammar of `grammar.py` over the token tables of
+  `grammar_tokens.py`, jump-forward).
 * `drafters.py`: one `Drafter` protocol; lossless AR drafts (prompt lookup, a drafter model) and the
   lossy copy drafts of block diffusion.
 * `state.py`: one batch's state; `steps.py`: the three kinds of step; this module: the loop.

@@ -11,13 +11,13 @@ written in (`render_answer`). The explanation is free text (any token that keeps
 string, escapes included; SID tokens may be cited); everything after it is forced structure plus a
 choice among the candidates not ranked yet. With `cited` (the SIDs of the request's prompt: its
 history and candidates, `prompt_sids`) an explanation may cite only those, whole: once a SID's first
-tokens pin one of them, the rest is forced (written by jump-forward like a ranked SID's). When the token budget gets tight the explanation is
-closed and the literals take their canonical tokens, so a long explanation cannot crowd the ranking
-out of `max_new_tokens`.
+tokens pin one of them, the rest is forced (written by jump-forward like a ranked SID's). When the
+token budget gets tight the explanation is closed and the literals take their canonical tokens, so a
+long explanation cannot crowd the ranking out of `max_new_tokens`.
 
-Tokens are matched on their decoded text, so the grammar works with any tokenizer whose SID tokens are
-single added tokens (ours, or Qwen3's extended by `extend_tokenizer`). `GrammarTokens` holds what only
-depends on the tokenizer and is shared by every request.
+The automaton's states are here; the literals and the per-tokenizer tables it reads (`GrammarTokens`:
+token texts, the explanation's masks, the SID tokens), shared by every request, are in
+`grammar_tokens.py`.
 
 The decoder (`decode(..., constraints=...)`) asks `allowed(budget)` before committing a token and
 calls `advance(token)` after; see `decoder.py` for how it counts the answers the grammar corrected.
@@ -29,39 +29,24 @@ model's confidence (`DecodeConfig.jump_forward`).
 from __future__ import annotations
 
 import copy
-import re
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 from torch import Tensor
 from transformers import PreTrainedTokenizerBase
 
-from diffusion_gr2.core.text.prompt import split_sid
-from diffusion_gr2.core.text.tokenizer import SPECIAL_TOKENS
+from diffusion_gr2.core.decode.grammar_tokens import (
+    CLOSE,
+    END,
+    OPEN,
+    SEPARATOR,
+    GrammarTokens,
+    prompt_sids,
+    scan_text,
+)
 
-__all__ = [
-    "AnswerGrammar",
-    "GrammarTokens",
-    "TokenConstraint",
-    "accepts",
-    "allowed_masks",
-    "answer_grammars",
-    "list_key_ids",
-    "prompt_sids",
-    "sid_token_ids",
-]
-
-OPEN = '{"explanation":"'
-LIST_KEY = "recommendations"  # the ranking list's key
-CLOSE = f'","{LIST_KEY}":["'  # ends with the first SID's opening quote
-SEPARATOR = '","'
-END = '"]}'
-# JSON escapes after a backslash; a unicode escape (backslash-u and four hex digits) is not accepted:
-# traces are written with ensure_ascii=False and cleaned of control characters, so none has one.
-_ESCAPES = set('"\\/bfnrt')
-SID_TOKEN = re.compile(r"<[a-z]_\d+>")  # one level of a SID (`rqvae.py` writes `<a_12><b_3>...`)
+__all__ = ["AnswerGrammar", "TokenConstraint", "accepts", "allowed_masks", "answer_grammars"]
 
 
 class TokenConstraint(Protocol):
@@ -86,123 +71,6 @@ class TokenConstraint(Protocol):
     def copy(self) -> TokenConstraint:
         """An independent copy in the same state."""
         ...
-
-
-def _scan_text(text: str, escaped: bool) -> tuple[str, bool | int] | None:
-    """Run `text` through the explanation string starting in escape state `escaped`.
-
-    Returns ("text", escaped_after), ("close", chars of CLOSE consumed) when an unescaped quote starts
-    the closing literal, or None when `text` cannot continue a JSON string here.
-    """
-    for i, ch in enumerate(text):
-        if escaped:
-            if ch not in _ESCAPES:
-                return None
-            escaped = False
-        elif ch == "\\":
-            escaped = True
-        elif ch == '"':
-            rest = text[i:]
-            return ("close", len(rest)) if CLOSE.startswith(rest) else None
-        elif ord(ch) < 0x20:  # raw control characters are not allowed inside a JSON string
-            return None
-    return ("text", escaped)
-
-
-@dataclass
-class GrammarTokens:
-    """Per-tokenizer tables: each token's text, and the explanation-string masks (built once)."""
-
-    tokenizer: PreTrainedTokenizerBase
-    texts: list[str]
-    eos_id: int
-    vocab: dict[str, int]  # token -> id (SID tokens are looked up here)
-    text_masks: dict[bool, Tensor]  # escape pending -> tokens that continue (or close) the explanation
-    close_masks: dict[bool, Tensor]  # escape pending -> tokens that (also) start the closing literal
-    text_effects: dict[tuple[bool, int], tuple[str, bool | int]]  # (escaped, id) -> `_scan_text` result
-    sid_tokens: Tensor  # bool [v]: the SID tokens (one level each)
-    # caches, filled on first use: literal -> canonical ids, (literal, then text) -> allowed mask,
-    # and the one token such a mask allows (None: several)
-    _canonical: dict[str, list[int]] = field(default_factory=dict, repr=False)
-    _literal_masks: dict[tuple[str, bool], Tensor] = field(default_factory=dict, repr=False)
-    _literal_only: dict[tuple[str, bool], int | None] = field(default_factory=dict, repr=False)
-
-    @classmethod
-    def from_tokenizer(cls, tokenizer: PreTrainedTokenizerBase, eos_token: str) -> GrammarTokens:
-        eos_id = tokenizer.convert_tokens_to_ids(eos_token)
-        if eos_id is None or eos_id == tokenizer.unk_token_id:
-            raise ValueError(f"tokenizer has no {eos_token!r} token")
-        vocab = len(tokenizer)
-        texts = [tokenizer.decode([i]) for i in range(vocab)]
-        special = {tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS} | set(
-            tokenizer.all_special_ids
-        )
-        text_masks, close_masks, effects = {}, {}, {}
-        for escaped in (False, True):
-            text_ok = torch.zeros(vocab, dtype=torch.bool)
-            close_ok = torch.zeros(vocab, dtype=torch.bool)
-            for i, t in enumerate(texts):
-                if i in special or not t:
-                    continue
-                result = _scan_text(t, escaped)  # SID tokens are plain text: they may be cited
-                if result is None:
-                    continue
-                effects[(escaped, i)] = result
-                (close_ok if result[0] == "close" else text_ok)[i] = True
-            text_masks[escaped], close_masks[escaped] = text_ok | close_ok, close_ok
-        sid_tokens = torch.tensor([bool(SID_TOKEN.fullmatch(t)) for t in texts], dtype=torch.bool)
-        return cls(
-            tokenizer, texts, eos_id, tokenizer.get_vocab(), text_masks, close_masks, effects, sid_tokens
-        )
-
-    def canonical_ids(self, literal: str) -> list[int]:
-        """How the tokenizer writes `literal` (what a trained model has seen)."""
-        if literal not in self._canonical:
-            self._canonical[literal] = self.tokenizer(literal, add_special_tokens=False)["input_ids"]
-        return self._canonical[literal]
-
-    def token_mask(self, token: int) -> Tensor:
-        """Only `token`."""
-        mask = torch.zeros(len(self.texts), dtype=torch.bool)
-        mask[token] = True
-        return mask
-
-    def literal_mask(self, remaining: str, then_text: bool) -> Tensor:
-        """Tokens that continue literal `remaining`; with `then_text`, also ones that run on into text."""
-        key = (remaining, then_text)
-        if key not in self._literal_masks:
-            mask = torch.zeros(len(self.texts), dtype=torch.bool)
-            for i, t in enumerate(self.texts):
-                if not t or i == self.eos_id:
-                    continue
-                runs_on = then_text and t.startswith(remaining) and _scan_text(t[len(remaining) :], False)
-                mask[i] = remaining.startswith(t) or (
-                    runs_on is not None and runs_on and runs_on[0] == "text"
-                )
-            self._literal_masks[key] = mask
-        return self._literal_masks[key]
-
-    def literal_only(self, remaining: str, then_text: bool) -> int | None:
-        """The one token `literal_mask(remaining, then_text)` allows, None when it allows several."""
-        key = (remaining, then_text)
-        if key not in self._literal_only:
-            ids = self.literal_mask(remaining, then_text).nonzero().flatten().tolist()
-            self._literal_only[key] = ids[0] if len(ids) == 1 else None
-        return self._literal_only[key]
-
-    def sid_ids_of(self, sid: str) -> tuple[int, ...]:
-        """Token ids of one SID string (`<a_1><b_2>...`); a clear error for anything else.
-
-        The SID must be exactly its SID tokens: text around or between them (or no token at all)
-        would be dropped here, and an empty SID would make the automaton index past its end.
-        """
-        parts = split_sid(sid) if isinstance(sid, str) else []
-        if not parts or "".join(parts) != sid:
-            raise ValueError(f"SID {sid!r} is not a run of SID tokens such as '<a_1><b_2><c_3><d_4>'")
-        try:
-            return tuple(self.vocab[t] for t in parts)
-        except KeyError as err:
-            raise ValueError(f"SID {sid!r}: token {err.args[0]} is not in the tokenizer") from None
 
 
 class AnswerGrammar:
@@ -358,7 +226,7 @@ class AnswerGrammar:
     def _text(self, token: int, run_on: str | None) -> None:
         """Consume explanation text: the whole token, or `run_on` (its part after a literal)."""
         effect = (
-            _scan_text(run_on, False)
+            scan_text(run_on, False)
             if run_on is not None
             else self.tokens.text_effects.get((self.escaped, token))
         )
@@ -408,34 +276,6 @@ def accepts(constraint: TokenConstraint, tokens: Sequence[int], max_new_tokens: 
             return False
         state.advance(int(token))
     return True
-
-
-def sid_token_ids(tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
-    """The ids of the tokenizer's SID-code tokens (`<a_12>`, one level of a SID each)."""
-    return frozenset(i for t, i in tokenizer.get_vocab().items() if SID_TOKEN.fullmatch(t))
-
-
-def list_key_ids(tokenizer: PreTrainedTokenizerBase) -> tuple[int, ...]:
-    """The tokens that write the ranking list's key (`LIST_KEY`) in the closing literal as the tokenizer
-    writes it (ours: one token): once they are written, what follows is the ranking list."""
-    ids = tokenizer(CLOSE, add_special_tokens=False)["input_ids"]
-    spans = [(i, j) for i in range(len(ids)) for j in range(i + 1, len(ids) + 1)]
-    key = [(j - i, i, j) for i, j in spans if LIST_KEY in tokenizer.decode(ids[i:j])]
-    _, i, j = min(key)  # the shortest span that holds the whole word
-    return tuple(ids[i:j])
-
-
-def prompt_sids(tokens: GrammarTokens, prompt: Sequence[int], length: int) -> set[tuple[int, ...]]:
-    """The SIDs of a prompt (token ids): its runs of exactly `length` SID tokens (history, candidates)."""
-    out, run = set(), []
-    for token in [*prompt, -1]:
-        if token >= 0 and bool(tokens.sid_tokens[token]):
-            run.append(int(token))
-            continue
-        if len(run) == length:
-            out.add(tuple(run))
-        run = []
-    return out
 
 
 def answer_grammars(

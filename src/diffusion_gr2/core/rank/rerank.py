@@ -31,13 +31,8 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from diffusion_gr2.core.decode.decoder import DecodeConfig, DecodeOutput, decode
-from diffusion_gr2.core.decode.grammar import (
-    AnswerGrammar,
-    accepts,
-    answer_grammars,
-    list_key_ids,
-    sid_token_ids,
-)
+from diffusion_gr2.core.decode.grammar import AnswerGrammar, accepts, answer_grammars
+from diffusion_gr2.core.decode.grammar_tokens import list_key_ids, sid_token_ids
 from diffusion_gr2.core.evaluate.metrics import (
     user_values,
 )
