@@ -2,13 +2,14 @@
 
     .venv/bin/python benchmarks/operating_point_timing.py [--repeats 3] [--system rl] [--json OUT.json]
 
-Each repeat is what the inference node does to rank the candidates (`inference.operating_point`:
-its `taus` x `windows`, timed by `timing` with `core/bench/benchmark.py::time_candidates`, the one
-harness, on the first validation prompts, under the grammar, with `ar_rl` in the same rounds):
-output tokens/s per batch size and per round their geometric mean, the median over rounds, and the
-speed-up against `ar_rl` with its interval (paired by round; the statistic is printed). Prints each
-repeat's figures, the candidate it would serve and what the timing cost. Accuracy is not re-checked
-here: which candidates qualify is in the run's `operating_point.json`.
+Each repeat is what the operating point's search (`core/rank/point_search.py`) does to rank the
+candidates (`inference.operating_point`: its `taus` x `windows`, timed by `timing` with
+`core/bench/benchmark.py::time_candidates`, the one harness, on the first validation prompts, under
+the grammar, with `ar_rl` in the same rounds): output tokens/s per batch size and per round their
+geometric mean, the median over rounds, and the speed-up against `ar_rl` with its interval (paired
+by round; the statistic is printed). Prints each repeat's figures, the candidate it would serve and
+what the timing cost. Accuracy is not re-checked here: which candidates qualify is in the run's
+`operating_point.json`.
 """
 
 from __future__ import annotations
@@ -22,11 +23,11 @@ import pandas as pd
 import torch
 from transformers import AutoTokenizer
 
-from diffusion_gr2.core.bench.benchmark import BenchmarkConfig, ranked_speed, time_candidates
+from diffusion_gr2.core.bench.benchmark import ranked_speed, time_candidates
 from diffusion_gr2.core.model.factory import load_model
+from diffusion_gr2.core.rank.point_search import OperatingPointConfig
 from diffusion_gr2.core.rank.rerank import RerankConfig, request_grammars, select_requests
 from diffusion_gr2.parameters import file_parameters
-from diffusion_gr2.pipelines.inference.nodes import operating_point_settings
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -43,8 +44,8 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     params = file_parameters(args.params)["inference"]
-    point = params["operating_point"]
-    bench = BenchmarkConfig.from_params(point["timing"])
+    point = OperatingPointConfig.from_params(params["operating_point"])
+    bench = point.timing
     tokenizer = AutoTokenizer.from_pretrained(args.models / "tokenizer", local_files_only=True)
     valid = select_requests(pd.read_parquet(args.requests), "valid", bench.n_prompts)
     prompts = [list(p) for p in valid["prompt_ids"]]
@@ -52,7 +53,7 @@ def main() -> None:
     reference = load_model(args.models / bench.reference).eval()  # timed beside, as the node does
     config = RerankConfig(**params["decoding"])
     grammars = request_grammars(tokenizer, valid) if config.constrained else None
-    candidates = operating_point_settings(params)
+    candidates = point.candidates
     repeats = []
     for r in range(args.repeats):
         start = time.perf_counter()

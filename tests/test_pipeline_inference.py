@@ -12,8 +12,8 @@ import torch
 from transformers import PreTrainedTokenizerFast
 
 from diffusion_gr2.core.evaluate.rankings import stage_metrics
-from diffusion_gr2.core.rank.rerank import RerankConfig, select_requests
-from diffusion_gr2.pipelines.inference.nodes import _timed_speeds, make_rerank_node, rerank_prerank
+from diffusion_gr2.core.rank.rerank import select_requests
+from diffusion_gr2.pipelines.inference.nodes import make_rerank_node, rerank_prerank
 from tests.core.model.tiny import tiny_model_for
 from tests.core.rank.world import make_world
 
@@ -35,7 +35,7 @@ def _params(sweep_max_requests: int | None) -> dict[str, Any]:
         "sweep_max_requests": sweep_max_requests,
         "taus": [0.9, 0.5],
         "taus_by_system": {},
-        "operating_point": {  # every key the node reads (no defaults in code): no floors, no timing
+        "operating_point": {  # every key (no defaults in code): no floors, the least timing
             "systems": ["rl"],
             "reference": "ar_rl",
             "budget": 1.0,  # untrained models: every setting qualifies, the fastest is served
@@ -46,7 +46,7 @@ def _params(sweep_max_requests: int | None) -> dict[str, Any]:
             "speed_batch_size": 1,
             "taus": [0.5],
             "windows": [None],
-            "timing": None,
+            "timing": {"n_prompts": 2, "batch_sizes": [1], "rounds": 1, "min_calls": 1, "warmup": 0},
         },
         "decoding": {"max_new_tokens": 8, "batch_size": 4, "constrained": False, "device": "cpu"},
     }
@@ -59,10 +59,11 @@ def _n_by_pass(rows: pd.DataFrame) -> dict[tuple[str, float | None], int]:
 def test_sweep_cap_applies_to_the_sweep_rows_only(world) -> None:
     tokenizer, requests = world
     params = _params(CAP)
-    ar = make_rerank_node("ar_rl")(tiny_model_for(tokenizer), requests, tokenizer, params)
+    ar_model = tiny_model_for(tokenizer)
+    ar = make_rerank_node("ar_rl")(ar_model, requests, tokenizer, params)
     diffusion = tiny_model_for(tokenizer, block_size=4)
-    served = make_rerank_node("rl")(diffusion, requests, tokenizer, params, ar)
-    swept = make_rerank_node("cft")(diffusion, requests, tokenizer, params, ar)
+    served = make_rerank_node("rl")(diffusion, requests, tokenizer, params, ar, ar_model)
+    swept = make_rerank_node("cft")(diffusion, requests, tokenizer, params, ar, ar_model)
     assert served["operating_point"]["tau"] == 0.5 and swept["operating_point"] is None
     floor = rerank_prerank(requests, params)
     assert _n_by_pass(floor) == _n_by_pass(ar) == {("valid", None): N_USERS, ("test", None): N_USERS}
@@ -96,8 +97,10 @@ def test_a_candidate_far_below_the_own_valid_floor_stops_at_the_screen(world) ->
     tokenizer, requests = world
     params = _params(CAP)
     params["operating_point"] |= {"min_unforced_rate": 0.5, "floor_screen": {"requests": 2, "z": 1.0}}
-    ar = make_rerank_node("ar_rl")(tiny_model_for(tokenizer), requests, tokenizer, params)
-    result = make_rerank_node("rl")(tiny_model_for(tokenizer, block_size=4), requests, tokenizer, params, ar)
+    ar_model = tiny_model_for(tokenizer)
+    ar = make_rerank_node("ar_rl")(ar_model, requests, tokenizer, params)
+    diffusion = tiny_model_for(tokenizer, block_size=4)
+    result = make_rerank_node("rl")(diffusion, requests, tokenizer, params, ar, ar_model)
     point = result["operating_point"]
     assert point["tau"] is None and "own valid rate >= 0.50" in point["refused"]
     (candidate,) = point["candidates"]
@@ -106,7 +109,7 @@ def test_a_candidate_far_below_the_own_valid_floor_stops_at_the_screen(world) ->
     assert _n_by_pass(result["rankings"])[("valid", 0.5)] == 2
     # Without a floor the screen has nothing to test against: every validation request is decoded.
     params["operating_point"]["min_unforced_rate"] = None
-    full = make_rerank_node("rl")(tiny_model_for(tokenizer, block_size=4), requests, tokenizer, params, ar)
+    full = make_rerank_node("rl")(diffusion, requests, tokenizer, params, ar, ar_model)
     assert _n_by_pass(full["rankings"])[("valid", 0.5)] == N_USERS
 
 
@@ -116,9 +119,10 @@ def test_each_candidate_holds_its_paired_interval_against_the_reference(world) -
     tokenizer, requests = world
     params = _params(CAP)
     params["operating_point"] |= {"windows": [None, 2], "n_boot": 50}
-    ar = make_rerank_node("ar_rl")(tiny_model_for(tokenizer), requests, tokenizer, params)
-    point = make_rerank_node("rl")(tiny_model_for(tokenizer, block_size=4), requests, tokenizer, params, ar)
-    point = point["operating_point"]
+    ar_model = tiny_model_for(tokenizer)
+    ar = make_rerank_node("ar_rl")(ar_model, requests, tokenizer, params)
+    diffusion = tiny_model_for(tokenizer, block_size=4)
+    point = make_rerank_node("rl")(diffusion, requests, tokenizer, params, ar, ar_model)["operating_point"]
     key = "recall@1_vs_ar_rl"
     for c in point["candidates"]:
         assert c[f"{key}.n"] == N_USERS and c[f"{key}.low"] <= c[key] <= c[f"{key}.high"]
@@ -191,15 +195,23 @@ def test_only_candidates_that_meet_the_accuracy_gates_are_timed(world, caplog) -
     )
 
 
-def test_no_validation_prompts_leave_the_passes_speeds_untimed(world, caplog) -> None:
+def test_without_the_reference_model_nothing_is_timed_and_nothing_chosen(world, caplog) -> None:
+    """Speed that chooses comes from the harness, beside ar_rl: without ar_rl's model the admitted
+    candidates are not ranked by their validation passes' wall clock but refused, saying why."""
     tokenizer, requests = world
-    speeds = [{"tau": 0.9, "window": None, "tokens_per_s": float("nan")}]
-    timing = {"n_prompts": 3, "batch_sizes": [1], "rounds": 1, "min_calls": 1}
-    model = tiny_model_for(tokenizer, block_size=4)
-    config = RerankConfig(max_new_tokens=8, constrained=False, device="cpu")
+    params = _params(None)
+    ar = make_rerank_node("ar_rl")(tiny_model_for(tokenizer), requests, tokenizer, params)
     with caplog.at_level("WARNING"):
-        out = _timed_speeds(speeds, model, "rl", requests.head(0), tokenizer, config, timing)
-    assert out == speeds and "no validation prompts" in caplog.text
+        result = make_rerank_node("rl")(
+            tiny_model_for(tokenizer, block_size=4), requests, tokenizer, params, ar
+        )
+    point = result["operating_point"]
+    assert point["tau"] is None and "ar_rl's model was not given" in point["refused"]
+    assert all("timed_prompts" not in c for c in point["candidates"])
+    assert "cannot be timed beside it" in caplog.text
+    # no reference at all: nothing to pair with, refused before any gate
+    alone = make_rerank_node("rl")(tiny_model_for(tokenizer, block_size=4), requests, tokenizer, params)
+    assert "no validation rankings of the reference" in alone["operating_point"]["refused"]
 
 
 def test_without_a_cap_every_pass_answers_every_request(world) -> None:
