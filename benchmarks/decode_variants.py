@@ -12,7 +12,7 @@ by the grammar), tokens per forward and output tokens/s of the pass.
 * `fused` writes a finished block in the next block's first forward (the default); `separate` runs
   it alone first (one forward more per block, the first token known before the canvas).
 * Window 0 = the whole block.
-* `--copy on`: copy drafts (`DecodeConfig.draft="prompt"`: prompt-lookup continuations fed as
+* `--copy on`: copy drafts (`DecodeConfig.copy_drafts`: prompt-lookup continuations fed as
   tokens, committed where the model agrees; decoder.py). Diffusion systems only.
 * `--cite on`: the explanation cites only the prompt's SIDs, the rest of a pinned citation forced
   (`RerankConfig.cite_prompt_sids`); own validity is then read under that stricter grammar.
@@ -122,7 +122,7 @@ def main() -> None:
                         cfg,
                         fused=mode == "fused",
                         jump_forward=jump == "on",
-                        draft="prompt" if copy == "on" else None,
+                        copy_drafts=copy == "on",
                         draft_tokens=args.draft_tokens,
                     )
                     served = cited if cite == "on" else grammars

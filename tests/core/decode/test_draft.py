@@ -178,14 +178,22 @@ def test_prompt_lookup_cuts_the_forwards_of_a_model_that_copies(
 
 
 def test_drafts_are_refused_where_they_are_not_lossless() -> None:
+    """Each drafter only where its promise holds: the lossless ones (`draft`) in greedy AR decoding,
+    the lossy copy drafts (`copy_drafts`) in block diffusion under the `prefix` rule."""
     model, prompts = tiny_model(), random_prompts([5])
     for cfg in (
-        DecodeConfig(block_size=4, mask_token_id=MASK, draft="prompt", commit_rule="confident"),
+        DecodeConfig(block_size=4, mask_token_id=MASK, draft="prompt"),
         DecodeConfig(block_size=4, mask_token_id=MASK, draft="model"),
         DecodeConfig(do_sample=True, draft="prompt"),
         DecodeConfig(draft="prompt", draft_tokens=0),
     ):
-        with pytest.raises(ValueError, match="drafts need AR greedy decoding"):
+        with pytest.raises(ValueError, match="lossless drafts .* need AR greedy decoding"):
+            decode(model, prompts, cfg)
+    for cfg in (
+        DecodeConfig(block_size=4, mask_token_id=MASK, copy_drafts=True, commit_rule="confident"),
+        DecodeConfig(copy_drafts=True),  # AR: nothing to copy into
+    ):
+        with pytest.raises(ValueError, match="copy drafts .* need block diffusion"):
             decode(model, prompts, cfg)
     with pytest.raises(ValueError, match="draft must be one of"):
         decode(model, prompts, DecodeConfig(draft="ngram"))
@@ -254,7 +262,7 @@ def test_copy_drafts_decode_the_same_cached_and_recomputed(world, constrained: b
         mask_token_id=tokenizer.mask_token_id,
         max_new_tokens=48,
         eos_token_ids=(tokenizer.convert_tokens_to_ids(IM_END),),
-        draft="prompt",
+        copy_drafts=True,
         draft_tokens=3,
     )
     prompts = [list(p) for p in requests["prompt_ids"]][:6]
@@ -278,7 +286,7 @@ def test_copy_drafts_let_a_copying_model_write_a_block_in_one_forward(copier: Pr
     prompts = [[*torch.randint(SEP + 1, VOCAB, (COPY,), generator=gen).tolist(), SEP] for _ in range(16)]
     cfg = DecodeConfig(block_size=4, threshold=0.99, mask_token_id=MASK, max_new_tokens=COPY, batch_size=16)
     plain = decode(diffusion, prompts, cfg)
-    drafted = decode(diffusion, prompts, dataclasses.replace(cfg, draft="prompt", draft_tokens=3))
+    drafted = decode(diffusion, prompts, dataclasses.replace(cfg, copy_drafts=True, draft_tokens=3))
     copies = sum(o.tokens == p[:-1] for o, p in zip(drafted, prompts, strict=True))
     assert copies >= 14
     assert [o.nfe for o in plain] == [COPY] * len(prompts)

@@ -192,8 +192,10 @@ def test_drafts_reach_ar_systems_only_and_change_no_ranking(world) -> None:
     assert decode_config_for(ar, tokenizer, None, RerankConfig()).draft is None  # served default: off
     assert decode_config_for(diffusion, tokenizer, 0.6, drafted).draft is None
     copying = dataclasses.replace(drafted, copy_drafts=True)  # diffusion's own switch: copy drafts
-    assert decode_config_for(diffusion, tokenizer, 0.6, copying).draft == "prompt"
-    assert decode_config_for(ar, tokenizer, None, dataclasses.replace(copying, draft=None)).draft is None
+    copy_config = decode_config_for(diffusion, tokenizer, 0.6, copying)
+    assert copy_config.copy_drafts and copy_config.draft is None  # lossy copies, no lossless drafts
+    ar_config = decode_config_for(ar, tokenizer, None, dataclasses.replace(copying, draft=None))
+    assert ar_config.draft is None and not ar_config.copy_drafts
     grammars = request_grammars(tokenizer, requests)
     plain = rerank(ar, requests, tokenizer, dataclasses.replace(cfg, draft=None), "ar_rl", None, grammars)
     rows = rerank(ar, requests, tokenizer, cfg, "ar_rl", None, grammars)

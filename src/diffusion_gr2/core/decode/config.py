@@ -1,7 +1,8 @@
 """What the decoder is asked (`DecodeConfig`), what it returns (`DecodeOutput`), and the refusals.
 
 `check` is the one place that refuses a setting the decoder cannot honour; each drafter states the
-exactness it promises (`drafters.py`) and is checked against it here.
+exactness it promises (`drafters.py`) and is admitted only where that promise holds: the lossless
+drafts (`draft`) in greedy AR decoding, the lossy copy drafts (`copy_drafts`) in block diffusion.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ __all__ = ["BACKENDS", "COMMIT_RULES", "DRAFTS", "DecodeConfig", "DecodeOutput",
 # `confident`: Fast-dLLM v2's rule, kept for the comparison of docs/experiments.md#commit-rule.
 COMMIT_RULES = ("prefix", "confident")
 BACKENDS = ("auto", "lean", "eager")
-DRAFTS = (None, "prompt", "model")
+DRAFTS = (None, "prompt", "model")  # the lossless drafters of `DecodeConfig.draft`
 
 
 @dataclass(frozen=True)
@@ -50,13 +51,18 @@ class DecodeConfig:
     # without the model's say. Diffusion: such positions join the step's run as certain. AR: when
     # every row's next token is forced, it is written without a forward and fed with the next one.
     jump_forward: bool = True
-    # Where drafts come from (`drafters.py`): "prompt" = prompt lookup, "model" = a block-diffusion
-    # drafter (`decode(..., drafter=...)`); None = no drafts. AR verifies them, lossless (the tokens
-    # of plain decoding, fewer forwards); block diffusion feeds prompt lookup's as copy drafts, lossy
-    # (other tokens than plain decoding: chosen on validation, docs/experiments.md#copy-drafts).
+    # Lossless drafts, AR greedy decoding only (`drafters.py`): tokens guessed ahead and verified in
+    # one forward, so the tokens of plain decoding in fewer forwards. "prompt" = prompt lookup
+    # (`LookupDrafter`), "model" = a block-diffusion drafter model (`ModelDrafter`,
+    # `decode(..., drafter=...)`); None = none.
     draft: str | None = None
-    # Draft tokens fed per forward at most (transformers' prompt_lookup_num_tokens; for "model" the
-    # drafter's canvas, at most its block size). 3: on ar_rl (20 test prompts, batch 1) a fourth
+    # Lossy copy drafts, block diffusion only (`CopyDrafter`): prompt lookup's continuations of the
+    # committed text fed into the block's masked positions as tokens, committed where the model's own
+    # token agrees. Other tokens than plain decoding: chosen on validation
+    # (docs/experiments.md#copy-drafts).
+    copy_drafts: bool = False
+    # Draft tokens fed per forward at most, either kind (transformers' prompt_lookup_num_tokens; for
+    # "model" the drafter's canvas, at most its block size). 3: on ar_rl (20 test prompts, batch 1) a fourth
     # prompt-lookup token was kept in 2% (free) / 6% (grammar) of the drafts that had one, and a CPU
     # forward's cost grows with its width (4 tokens ~1.3x one, 11 ~2x).
     draft_tokens: int = 3
@@ -112,22 +118,25 @@ def check(
 
 
 def _check_drafts(config: DecodeConfig, drafter: PreTrainedModel | None) -> None:
-    """Each draft mechanism where its promise holds: the lossless ones (AR verification: prompt
-    lookup, a drafter model) only in greedy AR decoding, where the model's own token decides every
-    position; the lossy one (copy drafts: prompt lookup in block diffusion) only under the `prefix`
-    rule, whose run is what a draft the model leaves can end."""
+    """Each draft mechanism where its promise holds: the lossless ones (`draft`, AR verification:
+    prompt lookup, a drafter model) only in greedy AR decoding, where the model's own token decides
+    every position; the lossy one (`copy_drafts`, block diffusion) only under the `prefix` rule, whose
+    run is what a draft the model leaves can end."""
     if config.draft not in DRAFTS:
         raise ValueError(f"draft must be one of {DRAFTS}, got {config.draft!r}")
-    if config.draft is None:
-        return
-    lossy_copies = config.block_size > 1 and config.draft == "prompt"
-    lossless_ok = config.block_size == 1 and not config.do_sample and config.draft_tokens >= 1
-    if not (lossless_ok or (lossy_copies and config.commit_rule == "prefix")):
+    if config.draft is not None and not (
+        config.block_size == 1 and not config.do_sample and config.draft_tokens >= 1
+    ):
         raise ValueError(
-            "lossless drafts need AR greedy decoding (block_size 1, do_sample False) and draft_tokens "
-            ">= 1; lossy copy drafts (draft 'prompt' in block diffusion) need commit_rule 'prefix'; got "
-            f"block_size {config.block_size}, do_sample {config.do_sample}, draft {config.draft!r}, "
-            f"commit_rule {config.commit_rule!r}, draft_tokens {config.draft_tokens}"
+            "lossless drafts (draft 'prompt' or 'model') need AR greedy decoding (block_size 1, "
+            f"do_sample False) and draft_tokens >= 1; got block_size {config.block_size}, do_sample "
+            f"{config.do_sample}, draft {config.draft!r}, draft_tokens {config.draft_tokens} (block "
+            "diffusion's drafts are the lossy copy_drafts)"
+        )
+    if config.copy_drafts and not (config.block_size > 1 and config.commit_rule == "prefix"):
+        raise ValueError(
+            "lossy copy drafts (copy_drafts) need block diffusion (block_size > 1) under commit_rule "
+            f"'prefix'; got block_size {config.block_size}, commit_rule {config.commit_rule!r}"
         )
     if (config.draft == "model") != (drafter is not None):
         raise ValueError(

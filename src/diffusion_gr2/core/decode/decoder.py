@@ -82,7 +82,7 @@ def _next_block(st: Batch) -> tuple[Block, bool]:
     blk = jump_forward(st) if k == 1 and cfg.jump_forward else None
     if blk is not None:
         return blk, True
-    drafts = ar_drafts(st) if cfg.draft is not None and k == 1 else None  # diffusion: copy drafts
+    drafts = ar_drafts(st) if cfg.draft is not None else None  # lossless: AR only (config.check)
     mask_id = cfg.mask_token_id if k > 1 else cfg.pad_token_id
     assert mask_id is not None
     blk = Block.empty(len(st.active), k + max(map(len, drafts or []), default=0), mask_id)

@@ -2,12 +2,13 @@
 (`Drafter`), three drafters, each with the exactness it promises (`lossless`; `config.check`
 admits each only where that promise holds).
 
-* `LookupDrafter` (`draft: prompt`, AR), lossless: prompt lookup (`draft.py`), the continuation of
-  the last n-gram's first earlier occurrence in the prompt or the answer so far.
-* `ModelDrafter` (`draft: model`, AR; DFlash's shape), lossless: a block-diffusion model (e.g. `rl`
+* `LookupDrafter` (`DecodeConfig.draft="prompt"`, AR), lossless: prompt lookup (`draft.py`), the
+  continuation of the last n-gram's first earlier occurrence in the prompt or the answer so far.
+* `ModelDrafter` (`draft="model"`, AR; DFlash's shape), lossless: a block-diffusion model (e.g. `rl`
   for `ar_rl`) writes `draft_tokens` positions in one forward of a canvas of its own.
-* `CopyDrafter` (`draft: prompt` in block diffusion), LOSSY: prompt lookup's continuations of the
-  committed text go into the block's masked positions as tokens (docs/experiments.md#copy-drafts).
+* `CopyDrafter` (`DecodeConfig.copy_drafts`, block diffusion), LOSSY: prompt lookup's continuations
+  of the committed text go into the block's masked positions as tokens
+  (docs/experiments.md#copy-drafts).
 
 AR verification (the lossless two): before a forward each row builds its draft through a copy of
 its constraint (`verified_drafts`): the tokens the constraint forces join the draft as they are,
@@ -73,7 +74,7 @@ class Drafter(Protocol):
 
 
 class LookupDrafter:
-    """Draft "prompt" (AR): each prompt's n-gram index (`draft.py`), extended as its answer is written."""
+    """`draft="prompt"` (AR): each prompt's n-gram index (`draft.py`), extended as its answer is written."""
 
     lossless: ClassVar[bool] = True
 
@@ -94,7 +95,7 @@ class LookupDrafter:
 
 
 class CopyDrafter(LookupDrafter):
-    """Draft "prompt" in block diffusion: prompt lookup fed into the canvas. Lossy (module doc)."""
+    """`copy_drafts` (block diffusion): prompt lookup fed into the canvas. Lossy (module doc)."""
 
     lossless: ClassVar[bool] = False
 
@@ -156,7 +157,7 @@ class CopyDrafter(LookupDrafter):
 
 
 class ModelDrafter:
-    """Draft "model" (AR target): a block-diffusion model proposes each row's next `draft_tokens` in
+    """`draft="model"` (AR target): a block-diffusion model proposes each row's next `draft_tokens` in
     one forward. Lossless: the target verifies every proposal (module doc).
 
     Its own exact cache holds every row's clean tokens, causal (a layout of block size 1: what was
@@ -239,14 +240,14 @@ def drafter_for(
     valid: Tensor,
     model: PreTrainedModel | None,
 ) -> Drafter | None:
-    """The batch's drafter for `cfg.draft` (`ids`/`valid`: its left-padded prompts; `model`: the drafter
-    model of draft "model")."""
-    if cfg.draft is None:
-        return None
+    """The batch's drafter for `cfg.copy_drafts` or `cfg.draft` (`config.check` admits at most one;
+    `ids`/`valid`: its left-padded prompts; `model`: the drafter model of draft "model")."""
+    if cfg.copy_drafts:
+        return CopyDrafter(prompts)
     if cfg.draft == "model":
         assert model is not None  # `config.check`ed
         return ModelDrafter(model, ids, valid, cfg)
-    return LookupDrafter(prompts) if cfg.block_size == 1 else CopyDrafter(prompts)
+    return LookupDrafter(prompts) if cfg.draft == "prompt" else None
 
 
 def agrees(draft: Sequence[int | None], j: int, token: int, eos: frozenset[int]) -> bool:

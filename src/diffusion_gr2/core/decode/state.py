@@ -138,11 +138,7 @@ class Batch:
         k, dev = cfg.block_size, model.device
         ids, valid = left_pad_prompts(prompts, cfg.pad_token_id, dev)
         # AR drafts need columns for what they feed, and a batch room for its rows' holes
-        room = (
-            0
-            if cfg.draft is None or k > 1
-            else cfg.draft_tokens + (cfg.max_new_tokens if len(prompts) > 1 else 0)
-        )
+        room = 0 if cfg.draft is None else cfg.draft_tokens + (cfg.max_new_tokens if len(prompts) > 1 else 0)
         width = math.ceil(cfg.max_new_tokens / k) * k + room
         layout = prompt_response_layout(
             valid, torch.ones(len(prompts), width, dtype=torch.bool, device=dev), k

@@ -116,7 +116,7 @@ class RerankConfig:
     draft_tokens: int = DecodeConfig.draft_tokens  # draft tokens fed per forward at most
     # Diffusion systems: copy drafts (prompt-lookup continuations fed as tokens, committed where the
     # model agrees; not lossless, so chosen on validation: core/decode/drafters.py). AR: see `draft`.
-    copy_drafts: bool = False
+    copy_drafts: bool = DecodeConfig.copy_drafts
     # Under the grammar: the explanation may cite only the prompt's SIDs, whole; the rest of a SID
     # its first tokens pin is then forced (jump-forward writes it). Stricter, so own validity can
     # only fall: chosen on validation (grammar.py; docs/experiments.md#cited-sids).
@@ -194,7 +194,8 @@ def decode_config_for(
         seed=seed,
         backend=config.backend,
         jump_forward=config.jump_forward,
-        draft=config.draft if block_size == 1 else "prompt" if config.copy_drafts else None,
+        draft=config.draft if block_size == 1 else None,
+        copy_drafts=config.copy_drafts and block_size > 1,
         draft_tokens=config.draft_tokens,
         sid_threshold=config.sid_threshold if block_size > 1 else None,
         sid_token_ids=sid_token_ids(tokenizer) if sid_gated else frozenset(),
