@@ -57,6 +57,16 @@ def params(tmp_path: Path, **gate_overrides: float) -> dict:
     return {"gate": gate, "shadow": {"enabled": False}, "lock_file": str(tmp_path / ".retrain.lock")}
 
 
+def registering(world: World, without_operating_point: bool = False) -> dict:
+    """`retrain.register` for the world's `rl` and `ar_rl` folders (`RegisterConfig`)."""
+    return {
+        "model_dirs": {"diffusion": str(world.models["rl"]), "teacher": str(world.models["ar_rl"])},
+        "without_operating_point": without_operating_point,
+        "fallback_tau": 0.9,
+        "limits": {},
+    }
+
+
 def test_gate_promotes_a_passing_challenger_and_refuses_a_worse_one(
     store: str, world: World, tmp_path: Path
 ) -> None:
@@ -251,8 +261,7 @@ def test_a_refused_operating_point_registers_the_teacher_and_the_prerank_not_the
     refused = "no (tau, window) reaches R@1 0.117 on validation; the best R@1 was 0.148 at tau 0.6"
     chosen = {SERVED_DIFFUSION: {"tau": None, "window": None, "refused": refused}}
     retrain = params(tmp_path, min_unforced_rate=0.5) | {  # the random teacher's own answers fail it
-        "fallback_tau": 0.9,
-        "model_dirs": {"diffusion": str(world.models["rl"]), "teacher": str(world.models["ar_rl"])},
+        "register": registering(world)
     }
     traces, inference = {"prompt": {}}, {"decoding": {**DECODING, **LONG}}
     versions = register_models(None, None, world.items, world.sids, chosen, retrain, traces, inference)
@@ -271,10 +280,11 @@ def test_a_refused_operating_point_registers_the_teacher_and_the_prerank_not_the
     missing = register_models(None, None, world.items, world.sids, {}, retrain, traces, inference)
     assert missing["diffusion"] is None and "no entry" in missing["not_registered"]
 
-    override = retrain | {"register_without_operating_point": True}
+    override = retrain | {"register": registering(world, without_operating_point=True)}
     forced = register_models(None, None, world.items, world.sids, chosen, override, traces, inference)
     tags = mlflow.MlflowClient().get_model_version(registry.DIFFUSION_MODEL, forced["diffusion"]).tags
-    assert tags["operating_point.source"].startswith("fallback tau 0.9 by register_without_operating_point")
+    source = tags["operating_point.source"]
+    assert source.startswith("fallback tau 0.9 by retrain.register.without_operating_point")
     assert refused in tags["operating_point.source"]
 
 

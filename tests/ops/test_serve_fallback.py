@@ -15,7 +15,7 @@ from diffusion_gr2.core.tracking import registry
 from diffusion_gr2.core.tracking.serving import SIGNATURE, RequestError
 from diffusion_gr2.pipelines.retrain.nodes import register_models, run_gate
 from tests.ops.conftest import DECODING, World
-from tests.ops.test_gate import LONG, SERVING, params, requests
+from tests.ops.test_gate import LONG, SERVING, params, registering, requests
 
 REFUSED = {
     SERVED_DIFFUSION: {"tau": None, "window": None, "refused": "own valid rate 0.40 < 0.5 at every tau"}
@@ -24,10 +24,7 @@ TRACES, INFERENCE = {"prompt": {}}, {"decoding": {**DECODING, **LONG}}
 
 
 def register_and_gate(world: World, tmp_path: Path, points: dict, **gate: float) -> dict:
-    retrain = params(tmp_path, **gate) | {
-        "fallback_tau": 0.9,
-        "model_dirs": {"diffusion": str(world.models["rl"]), "teacher": str(world.models["ar_rl"])},
-    }
+    retrain = params(tmp_path, **gate) | {"register": registering(world)}
     versions = register_models(None, None, world.items, world.sids, points, retrain, TRACES, INFERENCE)
     return run_gate(versions, requests(world), retrain, SERVING)["gate_report"]
 

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +46,19 @@ def after_ingest(prepare: Callable[[dict[str, Any]], dict[str, Any]]) -> Callabl
     return prepare_dataset
 
 
+@dataclass(frozen=True)
+class RegisterConfig:
+    """`retrain.register`: the folders registered and what a refused operating point does. Every
+    setting is conf/base's (no defaults here: the config is the one source)."""
+
+    model_dirs: Mapping[str, str]  # role ("diffusion", "teacher") -> the model folder registered
+    # A diffusion system without an operating point on validation is not registered; True registers
+    # it anyway at `fallback_tau`, its `operating_point.source` tag naming the refusal it overrode.
+    without_operating_point: bool
+    fallback_tau: float
+    limits: Mapping[str, Any]  # `serving.Limits` overrides of every version registered; {} = its own
+
+
 class NoOperatingPoint(RuntimeError):
     """The diffusion system has no operating point chosen on validation: it is not registered."""
 
@@ -52,7 +66,7 @@ class NoOperatingPoint(RuntimeError):
 def _serving(
     system: str,
     operating_point: dict[str, Any] | None,
-    params: dict[str, Any],
+    register: RegisterConfig,
     traces: dict[str, Any],
     inference: dict[str, Any],
 ) -> tuple[ServingConfig, str]:
@@ -60,7 +74,7 @@ def _serving(
 
     `operating_point` is the run's `operating_point.json` (chosen on validation for these very
     models). A diffusion system without one (refused on validation, or never chosen) raises
-    `NoOperatingPoint`, unless `register_without_operating_point` serves it at `fallback_tau`, tagged.
+    `NoOperatingPoint`, unless `register.without_operating_point` serves it at `fallback_tau`, tagged.
     """
     from diffusion_gr2.core.rank.operating_point import OperatingPointError, resolve_operating_point
 
@@ -70,10 +84,10 @@ def _serving(
             tau, window = resolve_operating_point(operating_point, system)
             source = "operating_point.json (validation)"
         except OperatingPointError as err:
-            if not params.get("register_without_operating_point", False):
+            if not register.without_operating_point:
                 raise NoOperatingPoint(str(err)) from err
-            tau = float(params["fallback_tau"])
-            source = f"fallback tau {tau} by register_without_operating_point: {err}"
+            tau = float(register.fallback_tau)
+            source = f"fallback tau {tau} by retrain.register.without_operating_point: {err}"
             logger.warning("registering %s at the fallback tau %s (override): %s", system, tau, err)
     config = ServingConfig(
         system=system,
@@ -81,7 +95,7 @@ def _serving(
         window=window,
         decoding=dict(inference["decoding"]),
         prompt=dict(traces["prompt"]),
-        limits=dict(params.get("limits") or {}),
+        limits=dict(register.limits),
     )
     return config, source
 
@@ -124,22 +138,24 @@ def register_models(
     The model objects only order the node after training; the saved folders are what is registered.
     When the diffusion system has no operating point it is not registered (a model validation refused
     never becomes a challenger): its version is None and `not_registered` says why; the teacher still
-    is, and goes through its own gate (`core/tracking/promotion.py`).
+    is, and goes through its own gate (`core/tracking/promotion.py`). `params`: `retrain`, of which
+    `register` (`RegisterConfig`) is read here.
     """
+    register = RegisterConfig(**params["register"])
     digests, run = DigestCache(), mlflow.active_run()
     refs: dict[str, str | None] = {"diffusion": None}
     not_registered = None
     for role, system in (("teacher", "ar_rl"), ("diffusion", SERVED_DIFFUSION)):  # the teacher first
         try:
-            config, source = _serving(system, operating_point, params, traces, inference)
+            config, source = _serving(system, operating_point, register, traces, inference)
         except NoOperatingPoint as err:
             not_registered = (
-                f"{system} not registered: {err} (set retrain.register_without_operating_point to "
-                f"register it at the fallback tau {params['fallback_tau']}, tagged as such)"
+                f"{system} not registered: {err} (set retrain.register.without_operating_point to "
+                f"register it at the fallback tau {register.fallback_tau}, tagged as such)"
             )
             logger.warning("%s", not_registered)
             continue
-        folder = Path(params["model_dirs"][role])
+        folder = Path(register.model_dirs[role])
         tags = {
             "lineage.model.name": f"model_{system}",
             "lineage.model.path": str(folder),
@@ -151,7 +167,7 @@ def register_models(
             tags["teacher_version"] = refs["teacher"]
         name = registry.RERANKER_MODELS[role]
         refs[role] = registry.register_reranker(name, folder, items, sids, config, tags).version
-    prerank = ServingConfig(system=PRERANK, tau=None, limits=dict(params.get("limits") or {}))
+    prerank = ServingConfig(system=PRERANK, tau=None, limits=dict(register.limits))
     run_tag = {"lineage.model.run_id": run.info.run_id if run else ""}
     refs["prerank"] = registry.register_reranker(
         registry.PRERANK_MODEL, None, items, sids, prerank, run_tag
