@@ -7,14 +7,13 @@ Kedro's stock datasets write in place; a crash mid-write would leave a truncated
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path, PurePosixPath
 from typing import Any
 
 import pandas as pd
 from kedro.io import AbstractDataset, DatasetError
 
-from diffusion_gr2.core.io import atomic_directory, atomic_write_json, atomic_write_parquet
+from diffusion_gr2.core.io import atomic_write_json, atomic_write_parquet
 from diffusion_gr2.core.tracking.manifest import RUN_REPORTS, current_manifest, load_reports, stamp, unstamp
 
 
@@ -72,7 +71,7 @@ class RunReportDataset(AtomicJSONDataset):
 
 
 class PretrainedDataset(_AtomicFileDataset):
-    """A Hugging Face model or tokenizer directory (``save_pretrained``, safetensors), written atomically.
+    """A Hugging Face model or tokenizer directory, written by the one model writer (`save_model`: atomic).
 
     On save it is also logged to the active MLflow run under ``models/<folder name>``, so every
     stage's model sits beside the parameters and metrics that produced it.
@@ -109,10 +108,12 @@ class PretrainedDataset(_AtomicFileDataset):
         return load_model(self.path)
 
     def save(self, data: Any) -> None:
-        with atomic_directory(self.path) as tmp:
-            data.save_pretrained(tmp)
-            if self._tokenizer_path is not None:
-                shutil.copytree(self._tokenizer_path, tmp, dirs_exist_ok=True)
+        from diffusion_gr2.core.model.factory import save_model
+
+        if self._kind == "tokenizer":
+            save_model(None, data, self.path)
+        else:
+            save_model(data, self._tokenizer_path, self.path)
         if self._log_to_mlflow:
             from diffusion_gr2.core.tracking.mlflow_utils import log_model_directory
 

@@ -121,3 +121,45 @@ def test_conversion_needs_the_mask_token_in_the_vocab(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="mask token"):
         convert_to_block_diffusion(tmp_path / "ar", tmp_path / "bd", 4, no_mask)
     assert not (tmp_path / "bd").exists()
+
+
+def test_one_writer_serves_the_stages_and_the_catalog(tmp_path: Path) -> None:
+    """`save_model` writes the stages' folders and the catalog's (`PretrainedDataset`, the tokenizer
+    copied from its own folder): the same files, byte for byte."""
+    from diffusion_gr2.datasets import PretrainedDataset
+
+    tok = tiny_tokenizer(40)
+    model = build_model(SMALL, tok)
+    save_model(model, tok, tmp_path / "stage")
+    PretrainedDataset(str(tmp_path / "tokenizer"), kind="tokenizer", log_to_mlflow=False).save(tok)
+    catalog = PretrainedDataset(
+        str(tmp_path / "model"), tokenizer_path=str(tmp_path / "tokenizer"), log_to_mlflow=False
+    )
+    catalog.save(model)
+    stage = sorted(p.name for p in (tmp_path / "stage").iterdir())
+    assert stage == sorted(p.name for p in (tmp_path / "model").iterdir())
+    assert all((tmp_path / "stage" / n).read_bytes() == (tmp_path / "model" / n).read_bytes() for n in stage)
+    assert sorted(p.name for p in (tmp_path / "tokenizer").iterdir()) == [
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ]
+
+
+def test_a_failed_write_leaves_the_previous_folder_whole(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tok = tiny_tokenizer(40)
+    model = build_model(SMALL, tok)
+    before = {p.name: p.read_bytes() for p in save_model(model, tok, tmp_path / "m").iterdir()}
+
+    def disk_full(self: object, directory: Path, **kwargs: object) -> None:  # after the weights
+        raise OSError("disk full")
+
+    monkeypatch.setattr(type(tok), "save_pretrained", disk_full)
+    with pytest.raises(OSError, match="disk full"):
+        save_model(model, tok, tmp_path / "m")
+    assert {p.name: p.read_bytes() for p in (tmp_path / "m").iterdir()} == before
+    assert [p.name for p in tmp_path.iterdir()] == ["m"]  # no temp folder left behind
+    with pytest.raises(OSError):
+        save_model(model, tok, tmp_path / "new")
+    assert not (tmp_path / "new").exists()

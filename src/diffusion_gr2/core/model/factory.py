@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -173,11 +174,20 @@ def build_model(spec: ModelSpec, tokenizer: PreTrainedTokenizerBase) -> PreTrain
     return model.eval()
 
 
-def save_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None, path: str | Path) -> Path:
-    """Save model (safetensors) and tokenizer to `path` atomically: complete or absent, never partial."""
+def save_model(
+    model: PreTrainedModel | None, tokenizer: PreTrainedTokenizerBase | str | Path | None, path: str | Path
+) -> Path:
+    """The one writer of a model folder: `model` (config and safetensors weights) with its tokenizer
+    beside it, so the folder loads and serves on its own, written atomically (`path` is complete or
+    absent, never partial, as the checkpoints are). The tokenizer is an object (`save_pretrained`) or
+    a folder it was saved to (copied file for file: the catalog's models); `model` None writes the
+    tokenizer alone (the catalog's `tokenizer`)."""
     with atomic_directory(path) as tmp:
-        model.save_pretrained(tmp, safe_serialization=True)
-        if tokenizer is not None:
+        if model is not None:
+            model.save_pretrained(tmp)  # safetensors: transformers' only format
+        if isinstance(tokenizer, str | Path):
+            shutil.copytree(tokenizer, tmp, dirs_exist_ok=True)
+        elif tokenizer is not None:
             tokenizer.save_pretrained(tmp)
     return Path(path)
 
