@@ -29,6 +29,7 @@ __all__ = [
     "cited_sids",
     "explanation_of",
     "ndcg_at_k",
+    "own_valid_flags",
     "paired_bootstrap",
     "prompt_contexts",
     "recall_at_k",
@@ -157,6 +158,14 @@ def user_values(frame: pd.DataFrame | Iterable[Mapping[str, Any]]) -> dict[str, 
         "fallback_rate": 1.0 - valid,
         "recall@1_unforced": recall_at_k(unforced_ranks, 1),
     }
+
+
+def own_valid_flags(rows: pd.DataFrame) -> pd.Series:
+    """Rows whose own (free greedy) answer the grammar accepts: what free decoding gets right (the
+    rows' `unforced_rate`, as `user_values` counts it)."""
+    if "unforced" in rows:
+        return rows["unforced"].astype(bool)
+    return rows["valid"] & (rows["forced"] == 0)  # rankings written before the column existed
 
 
 def _bootstrap_means(

@@ -16,13 +16,13 @@ import pandas as pd
 
 from diffusion_gr2.core.evaluate.metrics import (
     METRICS,
+    own_valid_flags,
     paired_bootstrap,
     request_key,
     system_metrics,
     user_values,
 )
 from diffusion_gr2.core.evaluate.tables import markdown_table, metric_cell, tau_cell, window_cell
-from diffusion_gr2.core.rank.rerank import own_valid_flags
 
 __all__ = [
     "EvaluationConfig",

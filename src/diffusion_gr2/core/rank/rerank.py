@@ -33,9 +33,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from diffusion_gr2.core.decode.decoder import DecodeConfig, DecodeOutput, decode
 from diffusion_gr2.core.decode.grammar import AnswerGrammar, accepts, answer_grammars
 from diffusion_gr2.core.decode.grammar_tokens import list_key_ids, sid_token_ids
-from diffusion_gr2.core.evaluate.metrics import (
-    user_values,
-)
+from diffusion_gr2.core.evaluate.metrics import own_valid_flags, user_values
 from diffusion_gr2.core.rank.operating_point import floor_screen
 from diffusion_gr2.core.text.parser import OK, apply_fallback, parse_answer
 from diffusion_gr2.core.text.tokenizer import IM_END, decode_response
@@ -60,7 +58,6 @@ __all__ = [
     "resolve_device",
     "needs_own_pass",
     "own_answers",
-    "own_valid_flags",
     "own_validity",
     "pass_figures",
     "rerank_screened",
@@ -295,13 +292,6 @@ def ranking_rows(
             }
         )
     return pd.DataFrame(rows, columns=list(RANKING_COLUMNS))
-
-
-def own_valid_flags(rows: pd.DataFrame) -> pd.Series:
-    """Rows whose own (free greedy) answer the grammar accepts: what free decoding gets right."""
-    if "unforced" in rows:
-        return rows["unforced"].astype(bool)
-    return rows["valid"] & (rows["forced"] == 0)  # rankings written before the column existed
 
 
 def needs_own_pass(config: DecodeConfig, grammars: Sequence[AnswerGrammar] | None) -> bool:
