@@ -24,6 +24,11 @@ def midtrain_copy(
     if params["train"]["max_steps"] <= 0:
         return model, {"steps": 0, "skipped": True}
     examples = copy_task_examples(
-        list(sids["sid"]), tokenizer, params["examples"], params["n_candidates"], params["seed"]
+        list(sids["sid"]),
+        tokenizer,
+        params["examples"],
+        params["n_candidates"],
+        params["seed"],
+        params["answer_order"],
     )
     return train_supervised(model, examples, tokenizer, params)
