@@ -69,7 +69,7 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(args.models / "tokenizer", local_files_only=True)
     examples = pd.read_parquet(args.data / "sft_examples.parquet")
     requests = select_requests(pd.read_parquet(args.data / "requests.parquet"), args.split, args.max_users)
-    decoding = RerankConfig(max_new_tokens=192, device=args.device)
+    decoding = RerankConfig(max_new_tokens=192, device=args.device, sid_threshold=None)  # plain tau
     results = []
     noises = args.noise or [params["supervised"].get("noise", "complementary")]
     for steps, noise in itertools.product(args.steps, noises):

@@ -129,54 +129,144 @@ def _as_tree(value: Any) -> Any:
     return tree
 
 
-# Code defaults that still differ from conf/base (issue 43 item 3: to be made absent or equal); a new
-# difference, or one of these fixed, fails the test below so the list stays the truth.
+def _typed_configs(params: dict[str, Any]) -> dict[type, list[str]]:
+    """Every typed config a node builds from conf, with the conf/base sections it is built from."""
+    from diffusion_gr2.core.bench.benchmark import BenchmarkConfig
+    from diffusion_gr2.core.data.prepare import PrepConfig
+    from diffusion_gr2.core.decode.config import DecodeConfig
+    from diffusion_gr2.core.evaluate.rankings import EvaluationConfig
+    from diffusion_gr2.core.model.factory import ModelSpec
+    from diffusion_gr2.core.rank.rerank import RerankConfig
+    from diffusion_gr2.core.retrieval.candidates import CandidateConfig
+    from diffusion_gr2.core.retrieval.sasrec import RetrieverConfig
+    from diffusion_gr2.core.sid.rqvae import RQVAEConfig
+    from diffusion_gr2.core.text.prompt import PromptConfig
+    from diffusion_gr2.core.text.traces import AnalystConfig
+    from diffusion_gr2.core.tracking.drift import DriftConfig
+    from diffusion_gr2.core.tracking.gate import GateConfig
+    from diffusion_gr2.core.tracking.ingest import IngestConfig
+    from diffusion_gr2.core.tracking.request_log import RequestLogConfig
+    from diffusion_gr2.core.tracking.shadow import ShadowConfig
+    from diffusion_gr2.core.train.grpo import GRPOConfig
+    from diffusion_gr2.core.train.loop import TrainConfig
+    from diffusion_gr2.core.train.stages import RolloutConfig, SupervisedConfig
+    from diffusion_gr2.core.train.trajectory import TrajectoryConfig
+    from diffusion_gr2.pipelines.retrain.nodes import RegisterConfig
+
+    def stages(key: str) -> list[str]:  # every training stage's `<stage>.<key>`
+        return [f"{s}.{key}" for s, v in params.items() if isinstance(v, dict) and key in v]
+
+    return {
+        RerankConfig: ["inference.decoding", "benchmark.decoding"],
+        DecodeConfig: ["inference.decoding"],  # the settings decode_config_for copies from RerankConfig
+        BenchmarkConfig: ["benchmark.timing"],
+        EvaluationConfig: ["evaluation"],
+        PrepConfig: ["data_prep"],
+        RQVAEConfig: ["semantic_ids.rqvae"],
+        RetrieverConfig: ["retrieval.retriever"],
+        CandidateConfig: ["retrieval.candidates"],
+        PromptConfig: ["traces.prompt"],
+        AnalystConfig: ["traces.analyst"],
+        ModelSpec: ["teacher_sft.model"],
+        TrainConfig: ["_train", *stages("train")],  # `_train`: what every stage starts from
+        SupervisedConfig: stages("supervised"),
+        RolloutConfig: stages("rollout"),
+        GRPOConfig: stages("grpo"),
+        TrajectoryConfig: ["distill.trajectories"],
+        RegisterConfig: ["retrain.register"],
+        IngestConfig: ["retrain.ingest"],
+        DriftConfig: ["retrain.drift"],
+        GateConfig: ["retrain.gate"],
+        ShadowConfig: ["retrain.shadow"],
+        RequestLogConfig: ["serving.request_log"],
+    }
+
+
+def _plain(value: Any) -> Any:
+    """YAML's lists as the tuples the dataclasses hold (nested in mappings too)."""
+    if isinstance(value, list | tuple):
+        return tuple(_plain(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    return value
+
+
+def code_default_drift(configs: dict[type, list[str]], params: dict[str, Any]) -> set[tuple[str, str]]:
+    """(class, field) of every code default that conf/base also sets, to another value.
+
+    A config built from several sections (each training stage's `train`, `supervised`, ...) holds a
+    field those sections hold differently (the default counted where a section leaves the field out)
+    as each stage's own: its default is one stage's value, not compared. A field conf never sets has
+    its default as the one source: not compared either.
+    """
+    import dataclasses
+
+    drift = set()
+    for cls, paths in configs.items():
+        sections = []
+        for path in paths:
+            section = params
+            for key in path.split("."):
+                section = section[key]
+            sections.append(section)
+        for field in dataclasses.fields(cls):
+            if field.default is not dataclasses.MISSING:
+                default = field.default
+            elif field.default_factory is not dataclasses.MISSING:
+                default = field.default_factory()
+            else:
+                continue  # required: conf is the one source
+            if not any(field.name in s for s in sections):
+                continue
+            held = [_plain(s[field.name]) if field.name in s else default for s in sections]
+            if all(h == held[0] for h in held) and _plain(default) != held[0]:
+                drift.add((cls.__name__, field.name))
+    return drift
+
+
+# Code defaults that still differ from conf/base, each with why it stays (a library user outside a
+# Kedro run relies on it); a new difference, or one of these fixed, fails the test below.
 KNOWN_CODE_DEFAULTS = {
-    # None = off for rollouts, scripts and the decoder's golden dumps, which build it without conf
-    ("RerankConfig", "sid_threshold"),
-    ("BenchmarkConfig", "sweep_systems"),
-    ("BenchmarkConfig", "unserved_tau"),
-    ("BenchmarkConfig", "prompt_lookup_tokens"),
-    ("BenchmarkConfig", "drafter"),
-    ("TrainConfig", "lr"),
-    ("TrainConfig", "max_steps"),
-    ("TrainConfig", "warmup_steps"),
-    ("AnalystConfig", "w_position"),
-    ("PromptConfig", "history_in_prompt"),
-    ("PromptConfig", "title_words"),
+    # DESIGN §3's leave-one-out, which the data tests' fixtures are sized for; conf/base holds out 7
+    # points per user for the default run's statistical power
+    ("PrepConfig", "test_points"),
+    ("PrepConfig", "valid_points"),
+    # a gate needs `sid_token_ids`, which only a tokenizer names: decode_config_for sets both (from
+    # RerankConfig, whose default is conf's); a bare DecodeConfig gates nothing, so None
+    ("DecodeConfig", "sid_threshold"),
 }
 
 
 def test_the_typed_configs_defaults_are_conf_bases_values() -> None:
-    import dataclasses
-
-    from diffusion_gr2.core.bench.benchmark import BenchmarkConfig
-    from diffusion_gr2.core.model.factory import ModelSpec
-    from diffusion_gr2.core.rank.rerank import RerankConfig
-    from diffusion_gr2.core.text.prompt import PromptConfig
-    from diffusion_gr2.core.text.traces import AnalystConfig
-    from diffusion_gr2.core.tracking.gate import GateConfig
-    from diffusion_gr2.core.train.loop import TrainConfig
-
     params = load_parameters(conf_source=CONF)
-    pairs = [
-        (RerankConfig, params["inference"]["decoding"]),
-        (RerankConfig, params["benchmark"]["decoding"]),
-        (BenchmarkConfig, params["benchmark"]["timing"]),
-        (GateConfig, params["retrain"]["gate"]),
-        (ModelSpec, params["teacher_sft"]["model"]),
-        (TrainConfig, params["_train"]),  # the loop settings every stage starts from
-        (AnalystConfig, params["traces"]["analyst"]),
-        (PromptConfig, params["traces"]["prompt"]),
-    ]
-    differ = set()
-    for cls, section in pairs:
-        for field in dataclasses.fields(cls):
-            if field.name in section and field.default is not dataclasses.MISSING:
-                value = section[field.name]
-                if field.default != (tuple(value) if isinstance(value, list) else value):
-                    differ.add((cls.__name__, field.name))
+    differ = code_default_drift(_typed_configs(params), params)
     assert differ == KNOWN_CODE_DEFAULTS, (
         sorted(differ - KNOWN_CODE_DEFAULTS),
         sorted(KNOWN_CODE_DEFAULTS - differ),
     )
+
+
+def test_a_planted_code_default_drift_is_caught() -> None:
+    """The check above on a config whose default a planted edit moved off conf/base's value."""
+    import dataclasses
+
+    from diffusion_gr2.core.rank.rerank import RerankConfig
+    from diffusion_gr2.core.train.stages import RolloutConfig
+
+    params = load_parameters(conf_source=CONF)
+    drifted = dataclasses.make_dataclass(
+        "RerankConfig",
+        [("max_new_tokens", int, dataclasses.field(default=256))],
+        bases=(RerankConfig,),
+        frozen=True,
+    )
+    assert code_default_drift({drifted: ["inference.decoding"]}, params) == {
+        ("RerankConfig", "max_new_tokens")
+    }
+    assert code_default_drift({RerankConfig: ["inference.decoding"]}, params) == set()
+    # a field the sections hold alike is compared even when the class is built from several
+    training = {**params, "a": {"rollout": {"seed": 5}}, "b": {"rollout": {"seed": 5}}}
+    assert code_default_drift({RolloutConfig: ["a.rollout", "b.rollout"]}, training) == {
+        ("RolloutConfig", "seed")
+    }
+    assert code_default_drift({RolloutConfig: ["a.rollout", "rl.rollout"]}, training) == set()  # 5 vs 2

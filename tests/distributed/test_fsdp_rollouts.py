@@ -120,7 +120,7 @@ def _stages(task: dict, rank: int, out: Path) -> None:
             teacher, model = tiny_model_for(tok, num_layers=2), tiny_model_for(tok, 4, num_layers=2)
             if stage == "rl":
                 # old log-probs recomputed: a transformers forward inside make_batch, before the root's
-                grpo = GRPOConfig(0.2, 0.2, recompute_old_logprobs=True)
+                grpo = GRPOConfig(0.2, 0.2, mini_batches=1, recompute_old_logprobs=True)
                 make_batch = _emptied(rl_batches(tok, requests, rollout, grpo, 1, 2), rank)
                 loss_fn, steps = rl_loss(tok.pad_token_id, grpo), RL_STEPS
             else:

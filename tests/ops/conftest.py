@@ -43,7 +43,7 @@ class World:
 def build_world(root: Path, n_users: int = 6) -> World:
     items, sids = make_items(40, seed=0), make_sids(40, seed=1)
     cands = make_candidates(items, n_users, seed=2, history_len=5).assign(split="test")
-    config, texts = PromptConfig(), []
+    config, texts = PromptConfig(history_in_prompt=10, title_words=6), []
     lookup = ItemLookup.from_frames(items, sids, config)
     for row in cands.itertuples(index=False):
         texts += [

@@ -129,6 +129,8 @@ def _config(prompts, **kw) -> BenchmarkConfig:
     base = dict(n_prompts=len(prompts), batch_sizes=(1, 4), taus=(0.9,), warmup=1, rounds=1, min_calls=1)
     base |= dict(constrained=(False,), sweep_systems=(), sweep_batch_sizes=(1,), sweep_constrained=(False,))
     base |= dict(length_budgets=())
+    # no drafted rows, every system at `batch_sizes`, an unserved system at tau 0.9 (the sweep's tau)
+    base |= dict(prompt_lookup_tokens=None, drafter=None, system_batch_sizes={}, unserved_tau=0.9)
     return BenchmarkConfig(**(base | kw))
 
 
@@ -456,7 +458,13 @@ def test_a_system_without_an_operating_point_is_timed_unserved_with_a_warning(wo
 
 def test_plan_times_a_sweep_point_that_is_the_operating_point_once() -> None:
     config = BenchmarkConfig(
-        batch_sizes=(1, 4, 16, 32), taus=(1.0, 0.9), sweep_batch_sizes=(1, 16), sweep_constrained=(True,)
+        batch_sizes=(1, 4, 16, 32),
+        system_batch_sizes={},
+        taus=(1.0, 0.9),
+        sweep_systems=("rl",),
+        sweep_batch_sizes=(1, 16),
+        sweep_constrained=(True,),
+        prompt_lookup_tokens=None,
     )
     settings = plan_settings(["rl", "ar_rl"], {"rl": point(0.9, None)}, config)
     keys = [s.key for s in settings]

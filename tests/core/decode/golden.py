@@ -61,7 +61,8 @@ class Case:
 
 
 def _rerank(**kw: Any) -> RerankConfig:
-    return RerankConfig(**{"max_new_tokens": MAX_NEW, "batch_size": N_PROMPTS} | kw)
+    """The case's settings; the SID gate off unless the case names it (`served`)."""
+    return RerankConfig(**{"max_new_tokens": MAX_NEW, "batch_size": N_PROMPTS, "sid_threshold": None} | kw)
 
 
 def cases() -> dict[str, Case]:

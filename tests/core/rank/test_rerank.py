@@ -168,7 +168,9 @@ def test_decode_config_for_reads_model_and_tokenizer(world) -> None:
     sid_cfg = decode_config_for(diffusion, tokenizer, 0.6, strict)
     codes = {tokenizer.convert_ids_to_tokens(i) for i in sid_cfg.sid_token_ids}
     assert sid_cfg.sid_threshold == 0.99 and codes and all(re.fullmatch(r"<[a-z]_\d+>", t) for t in codes)
-    assert (cfg.sid_threshold, cfg.sid_token_ids) == (None, frozenset())  # default: tau everywhere
+    assert (cfg.sid_threshold, cfg.sid_token_ids) == (0.99, sid_cfg.sid_token_ids)  # default: as served
+    plain = decode_config_for(diffusion, tokenizer, 0.6, RerankConfig(sid_threshold=None))
+    assert (plain.sid_threshold, plain.sid_token_ids) == (None, frozenset())  # None: tau everywhere
     assert decode_config_for(diffusion, tokenizer, None, strict).sid_threshold is None
     # Its scope: every SID code (no marker), or the ranking list's only (after the list's key)
     assert sid_cfg.sid_after == ()

@@ -23,7 +23,7 @@ def make_world(
         ],
         ignore_index=True,
     )
-    config = PromptConfig()
+    config = PromptConfig(history_in_prompt=10, title_words=6)  # the prompt the golden dump saw
     lookup = ItemLookup.from_frames(items, sids, config)
     texts = []
     for row in cands.itertuples(index=False):

@@ -84,7 +84,7 @@ def test_lookup_from_frames_shortens_and_drops_common_categories() -> None:
 
 def test_candidate_line_has_offer_only_where_present() -> None:
     items, sids = _frames()
-    lookup = ItemLookup.from_frames(items, sids, PromptConfig())
+    lookup = ItemLookup.from_frames(items, sids, PromptConfig(title_words=6))
     assert (
         item_line(lookup[0], with_offer=True)
         == "<a_1><b_2><c_3><d_4> One two three four five six | Skin Care, Face | Acme, $12.50"

@@ -231,7 +231,7 @@ def test_grad_accum_keeps_one_token_normalisation_over_the_step() -> None:
     model = _tiny_policy(1)
     lengths = torch.tensor([4, 1, 3, 2, 4, 2, 1, 4])  # 21 tokens in share 0, 11 in share 1
     masks = [torch.arange(4)[None, :] < lengths[:, None], torch.arange(4)[None, :] < (lengths[:, None] // 2)]
-    config = GRPOConfig()
+    config = GRPOConfig(mini_batches=1)  # one step per rollout batch
 
     def sample_share(round_no: int, share: int, shares: int, policy: torch.nn.Module):
         return make_round(policy, _ar_logits, ROLLOUTS, ROLLOUTS, masks[share], REWARDS)
@@ -257,7 +257,7 @@ def test_grad_accum_keeps_one_token_normalisation_over_the_step() -> None:
 
 def test_zero_variance_groups_contribute_no_gradient() -> None:
     model = _tiny_policy(1)
-    config = GRPOConfig()
+    config = GRPOConfig(mini_batches=1)  # one step per rollout batch
 
     def batch_of(rewards: torch.Tensor, rows: int = 8) -> GRPOBatch:
         rnd = make_round(model, _ar_logits, ROLLOUTS[:rows], ROLLOUTS[:rows], MASK[:rows], rewards)

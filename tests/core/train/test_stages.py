@@ -178,12 +178,12 @@ def test_grpo_step_runs_and_drops_zero_variance_groups(task: dict, tmp_path) -> 
     tok = task["tokenizer"]
     model = tiny_model_for(tok, 4)
     config = RolloutConfig(prompts_per_step=2, group_size=2, max_new_tokens=16)
-    make_batch = rl_batches(tok, task["requests"], config, GRPOConfig())
+    make_batch = rl_batches(tok, task["requests"], config, GRPOConfig(mini_batches=1))
     batch = move_to(make_batch(0, model), model.device)
-    _, metrics = rl_loss(tok.pad_token_id, GRPOConfig())(model, batch)
+    _, metrics = rl_loss(tok.pad_token_id, GRPOConfig(mini_batches=1))(model, batch)
     assert metrics["kept_groups"] == 0.0 and batch.rows == []  # all invalid (-1): no variance, no signal
     before = copy.deepcopy(model.state_dict())
-    run(model, make_batch, rl_loss(tok.pad_token_id, GRPOConfig()), tmp_path, steps=1)
+    run(model, make_batch, rl_loss(tok.pad_token_id, GRPOConfig(mini_batches=1)), tmp_path, steps=1)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 

@@ -131,24 +131,27 @@ class BenchmarkConfig:
     """What to time; decoding itself (max tokens, step cap, commit rule) comes from a `RerankConfig`.
 
     `RerankConfig.constrained` and `.batch_size` are not used here: `constrained` and `batch_sizes`
-    below say which lines are timed.
+    below say which lines are timed. Defaults are conf/base's `benchmark.timing` (tests/test_config.py
+    holds them equal); the operating point's timing sets the rounds, prompts and batch sizes only.
     """
 
     n_prompts: int = 20  # the first requests of the split (sorted by user id)
     batch_sizes: tuple[int, ...] = (1, 4, 16, 32)  # issue 17's batch sweep (DESIGN §8: at least 1 and 16)
     # Systems timed at other batch sizes than `batch_sizes` (at their operating point): a full batch
     # sweep of every intermediate stage costs more than it tells.
-    system_batch_sizes: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
+    system_batch_sizes: Mapping[str, tuple[int, ...]] = field(
+        default_factory=lambda: {"cft": (1, 16), "opd": (1, 16), "rl": (1, 16)}
+    )
     constrained: tuple[bool, ...] = (True, False)  # a line under the answer grammar (as served), one free
     generate_constrained: bool = True  # `generate` under the grammar too (a LogitsProcessor), not only free
     taus: tuple[float, ...] = (1.0, 0.9, 0.6, 0.4)  # the sweep's thresholds (the paper's), whole block
-    sweep_systems: tuple[str, ...] = ("rl",)  # diffusion systems timed at every tau (frontier plot)
+    sweep_systems: tuple[str, ...] = ("distilled",)  # diffusion systems timed at every tau (frontier plot)
     sweep_batch_sizes: tuple[int, ...] = (1, 16)  # the sweep at fewer batch sizes: it is costly
     sweep_constrained: tuple[bool, ...] = (True,)  # the frontier plots R@1 as served, so speed as served
     # A diffusion system with no operating point (refused, or not chosen for it) is still timed at this
     # tau (whole block) at its batch sizes, as a line that is not served (`operating_point` false), so
     # the batch sweep shows what it would give; None = not timed at all.
-    unserved_tau: float | None = 0.9
+    unserved_tau: float | None = 0.75
     min_calls: int = 20  # timed calls per setting, all rounds together (issue 13: >= 20 at batch 16)
     warmup: int = 1  # untimed calls per setting before its first timed call
     # Every setting is timed once per round, rounds one after another: a machine that slows down for
@@ -166,13 +169,13 @@ class BenchmarkConfig:
     # and free only, as the library allows: its candidates would advance a grammar processor's state
     # past tokens it then rejects), drafting this many tokens; None = no such rows.
     # `speedup_vs_best_ar` compares every row with the fastest of the reference's AR rows there.
-    prompt_lookup_tokens: int | None = None
+    prompt_lookup_tokens: int | None = 3
     # The lossless diffusion-drafted row `<reference>+<drafter>-draft`: this diffusion system drafts
     # `drafter_tokens` tokens (None = its whole block; never more) in one forward of its own, the
     # reference verifies them in one forward (`DecodeConfig.draft="model"`): the reference's own
     # tokens. At `drafter_batch_sizes`, both flags of `constrained`; None = no such row. It counts as
     # one of the reference's AR rows.
-    drafter: str | None = None
+    drafter: str | None = "distilled"
     drafter_tokens: int | None = None
     drafter_batch_sizes: tuple[int, ...] = (1,)
 

@@ -22,12 +22,13 @@ DRAFTS = (None, "prompt", "model")  # the lossless drafters of `DecodeConfig.dra
 
 @dataclass(frozen=True)
 class DecodeConfig:
-    """How to decode; the defaults are greedy AR decoding."""
+    """How to decode; the defaults are greedy AR decoding, with conf/base's `inference.decoding` values
+    for the settings both name (tests/test_config.py holds them equal)."""
 
     block_size: int = 1  # k; 1 = autoregressive
     threshold: float = 0.9  # tau: commit masked positions whose probability exceeds it (Fast-dLLM v2)
     commit_rule: str = "prefix"  # which masked positions a step commits: COMMIT_RULES, `commit.py`
-    max_new_tokens: int = 256  # per row, end-of-output token included
+    max_new_tokens: int = 192  # per row, end-of-output token included
     max_steps_per_block: int | None = None  # None -> block_size (k - 1 steps always suffice)
     do_sample: bool = False  # False = arg-max
     temperature: float = 1.0  # only when sampling
@@ -68,7 +69,9 @@ class DecodeConfig:
     draft_tokens: int = 3
     # Block diffusion: a position whose chosen token is a SID code (`sid_token_ids`) commits only above
     # this tau instead (None = `threshold` everywhere). SID codes are where parallel commits break an
-    # answer (a foreign or repeated ID); the free text around them is safe at a lower tau.
+    # answer (a foreign or repeated ID); the free text around them is safe at a lower tau. None here
+    # (conf's 0.99 is RerankConfig's default): the gate needs `sid_token_ids`, which only a tokenizer
+    # names, and `decode_config_for` sets both.
     sid_threshold: float | None = None
     sid_token_ids: frozenset[int] = frozenset()
     # The SID threshold holds only after this token sequence (the ranking list's key,

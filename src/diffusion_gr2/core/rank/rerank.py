@@ -97,8 +97,8 @@ RANKING_COLUMNS = (
 class RerankConfig:
     """How the inference stage decodes; the model's config supplies block size and mask id."""
 
-    # Defaults are conf/base's `inference.decoding` (tests/test_config.py holds them equal) except
-    # `sid_threshold`: None (off) here for callers outside a Kedro run (rollouts, scripts, tests).
+    # Defaults are conf/base's `inference.decoding` (tests/test_config.py holds them equal): what a
+    # caller outside a Kedro run (a notebook, a script, a test) gets is what inference serves.
     max_new_tokens: int = 192  # teacher responses (reasoning + a 10-SID JSON answer): 107-142 tokens
     batch_size: int = 16  # rows decoded together
     max_steps_per_block: int | None = None  # None -> block size (the decoder's default cap)
@@ -120,8 +120,8 @@ class RerankConfig:
     cite_prompt_sids: bool = False
     # Diffusion systems: the tau a SID code must clear to be committed beside others in a forward
     # (None = tau everywhere). Free answers break at SID codes, not in the explanation
-    # (DecodeConfig.sid_threshold); chosen on validation.
-    sid_threshold: float | None = None
+    # (DecodeConfig.sid_threshold); chosen on validation. Rollouts pass their own (RolloutConfig).
+    sid_threshold: float | None = 0.99
     # Where the SID threshold holds: "answer" (every SID code) or "list" (the ranking list only: the
     # explanation's cited SIDs keep tau; DecodeConfig.sid_after).
     sid_scope: str = "answer"

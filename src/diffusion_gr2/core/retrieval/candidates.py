@@ -34,7 +34,7 @@ COLUMNS = ("user_id", "split", "point", "history", "target", "candidates", "targ
 class CandidateConfig:
     n: int = 10  # candidates per list (the papers use 10)
     mode: Literal["retrieved", "sampled"] = "retrieved"  # retriever top-N, or target + negatives
-    train_prefixes: int = 3  # training rows per user: the last prefixes of the training part
+    train_prefixes: int = 20  # training rows per user: the last prefixes of the training part
     history_cap: int = 20  # most recent history items kept in the `history` column
     seed: int = 0  # fixes the sampled negatives and their shuffle
     score_chunk: int = 2048  # rows scored at once; bounds memory to chunk x catalog floats

@@ -26,10 +26,11 @@ _SEPARATOR = " | "  # field separator inside one item line; removed from the fie
 
 @dataclass(frozen=True)
 class PromptConfig:
-    """How much of each item the prompt shows; small defaults keep the prompt at ~250-400 tokens."""
+    """How much of each item the prompt shows. Defaults are conf/base's `traces.prompt`
+    (tests/test_config.py holds them equal): a short prompt, so decoding is cheap on two cores."""
 
-    history_in_prompt: int = 10  # most recent history items shown (older ones are dropped)
-    title_words: int = 6  # a title is cut to its first words: long Amazon titles would dominate
+    history_in_prompt: int = 5  # most recent history items shown (older ones are dropped)
+    title_words: int = 3  # a title is cut to its first words: long Amazon titles would dominate
     max_categories: int = 2  # categories shown per item, in listed order after dropping common ones
     max_category_share: float = 0.5  # categories on more than this share of items carry no signal
 

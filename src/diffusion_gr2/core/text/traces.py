@@ -84,7 +84,7 @@ class AnalystConfig:
     w_brand: float = 0.5  # a repeat brand is a strong signal where brands exist (Amazon)
     w_recency: float = 0.5  # a category shared with the latest items matters more than an old one
     w_popularity: float = 0.3  # popular items are likelier a priori
-    w_position: float = 0.5  # the pre-rank order is visible and informative (pre-rank R@1 ~ .28)
+    w_position: float = 2.5  # the pre-rank order is visible and informative (pre-rank R@1 ~ .28)
     temperature: float = 0.3  # scale of the Gumbel noise: repeated proposals differ
     # Order of the candidates after the top pick: "prerank" keeps the retriever's order (the answer
     # is then "promote one item", the simplest full permutation to copy; a noisy tail is label

@@ -55,7 +55,7 @@ class GRPOConfig:
     clip_low: float = 0.2  # ratio floor 1 - clip_low
     clip_high: float = 0.28  # ratio ceiling 1 + clip_high (DAPO clip-higher; Diffusion-GR2 uses 0.2)
     ppo_epochs: int = 1  # passes over each rollout batch; 1 = on-policy (ratio always 1)
-    mini_batches: int = 1  # optimiser steps per pass; the kept rollouts are split between them
+    mini_batches: int = 4  # optimiser steps per pass; the kept rollouts are split between them
     recompute_old_logprobs: bool = False  # True: a no-grad training forward instead of the decoder's
 
     def __post_init__(self) -> None:
