@@ -119,6 +119,9 @@ def gate_and_promote(
         reason = "no re-ranker has passed the gate: the retriever's order serves"
         registry.promote(registry.PRERANK_MODEL, versions["prerank"], reason, client)
     served = registry.served_champion(client)
+    for side, gated in (("diffusion", report), ("teacher", teacher_report)):
+        if gated["decision"] == "refuse":  # the console's reason (gate.json has every figure)
+            logger.warning("gate refused %s v%s: %s", names[side], new[side], gated["reasons"])
     logger.info(
         "gate: diffusion %s, teacher %s; %s", report["decision"], teacher_report["decision"], served.line()
     )

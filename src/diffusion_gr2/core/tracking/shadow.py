@@ -17,8 +17,15 @@ champion logged, and the gate gets checks on:
   = that item) of the served answer and of the challenger's, with a paired bootstrap interval over
   users (`metrics.paired_bootstrap`, the gate's margin and level).
 
-A check with fewer requests than its minimum fails and says so: too little traffic never passes for
-a good challenger. With nothing serving yet (a first registration) there is no traffic and no check.
+The evidence is checked first, each count against its minimum: `shadow.requests` (logged requests
+of the serving champion that the compared models can serve, at least `min_requests`) and
+`shadow.feedback_requests` (those with a delivered next interaction, at least `min_feedback`). With
+too few logged requests the one failing check is `shadow.requests`, its detail saying both counts
+found and needed and what to do (serve traffic, or `retrain.shadow.enabled: false`); nothing else is
+judged. With enough of them but too little feedback, the other checks are judged and
+`shadow.feedback_requests` fails in place of the hit rate (a `make register` has no delivery, so
+no feedback). Too little traffic never passes for a good
+challenger. With nothing serving yet (a first registration) there is no traffic and no check.
 """
 
 from __future__ import annotations
@@ -84,8 +91,43 @@ def next_interactions(requests: pd.DataFrame, delivered: pd.DataFrame) -> list[s
     return found
 
 
-def _too_few(name: str, n: int, minimum: int, what: str) -> Check:
-    return Check(name, float(n), float(minimum), False, f"too few {what}: {n} < {minimum}; not judged")
+# What a team does about missing evidence (the refusal's reason says it; `make register` logs it).
+DISABLE = "or set retrain.shadow.enabled: false to gate on the offline slice alone"
+SERVE = "serve traffic with `make serve` (serving.request_log on)"
+DELIVER = "retrain on a delivery holding those users' next interactions (`make retrain`)"
+
+
+def _no_traffic(
+    champion: VersionRef, logged: int, n: int, fed: int, delivered: int, config: ShadowConfig
+) -> Check:
+    """The one failing check when too few logged requests: both counts found and needed, what to do."""
+    left_out = (
+        f" ({logged - n} of the {logged} logged left out: an item outside a catalogue)" if logged > n else ""
+    )
+    feedback = (
+        f", and {fed} with a delivered next interaction, {config.min_feedback} needed"
+        f"{'' if delivered else ' (this gate had no delivery)'}"
+        if fed < config.min_feedback
+        else ""
+    )
+    todo = SERVE + (f", then {DELIVER}" if fed < config.min_feedback else "")
+    detail = (
+        f"too few logged requests of the serving champion {champion.name} v{champion.version}: "
+        f"{n} found, {config.min_requests} needed{left_out}{feedback}; not judged: {todo}, {DISABLE}"
+    )
+    return Check("shadow.requests", float(n), float(config.min_requests), False, detail)
+
+
+def _feedback_evidence(fed: int, delivered: int, config: ShadowConfig) -> Check:
+    """Requests with a delivered next interaction against `min_feedback` (the hit rate's evidence)."""
+    what = f"logged requests with a delivered next interaction ({delivered} delivered rows)"
+    if fed >= config.min_feedback:
+        return at_least("shadow.feedback_requests", fed, config.min_feedback, f"{what}: {fed} found")
+    detail = (
+        f"too few {what}: {fed} found, {config.min_feedback} needed; the realised hit rate is not judged: "
+        f"{DELIVER}, {DISABLE}"
+    )
+    return Check("shadow.feedback_requests", float(fed), float(config.min_feedback), False, detail)
 
 
 def _kendall(a: Sequence[str], b: Sequence[str]) -> float:
@@ -136,16 +178,25 @@ def evaluate(
     rows = champion_requests(log, champion, config.last_requests)
     champ = load(champion.uri) if not rows.empty else None
     rankers = [challenger] + ([champ] if champ is not None else [])
+    logged = len(rows)
     rows = servable(rows, rankers) if not rows.empty else rows  # items a catalogue lacks: left out
     n = len(rows)
+    nexts = next_interactions(rows, delivered)
+    fed = sum(t is not None for t in nexts)
     report: dict[str, Any] = {"champion": asdict(champion), "requests": n}
-    if n < config.min_requests:
-        names = ["top1_agreement", "rank_correlation", "unforced_rate", "speedup_vs_champion.low"]
-        checks = [_too_few(f"shadow.{x}", n, config.min_requests, "logged requests") for x in names]
-        checks.append(
-            _too_few("shadow.hit_rate_vs_champion.low", 0, config.min_feedback, "requests with feedback")
-        )
-        return report | {"checks": checks, "numbers": {"shadow.requests": float(n)}}
+    counts = {
+        "shadow.requests": float(n),
+        "shadow.feedback_requests": float(fed),
+        "shadow.next_in_candidates": float(
+            sum(
+                t is not None and t in list(c)
+                for t, c in zip(nexts, rows.get("candidates", []), strict=False)
+            )
+        ),
+    }
+    if n < config.min_requests:  # nothing is judged on too little traffic: one check says why
+        check = _no_traffic(champion, logged, n, fed, len(delivered), config)
+        return report | {"checks": [check], "numbers": counts}
     records = rows.to_dict("records")
     answers = _answers(challenger, records)
     served = [list(r) for r in rows["ranking"]]
@@ -153,8 +204,7 @@ def evaluate(
     top1 = float(np.mean([a[0] == b[0] for a, b in zip(mine, served, strict=True)]))
     tau = float(np.mean([_kendall(a, b) for a, b in zip(mine, served, strict=True)]))
     own = float(np.mean([bool(a["unforced"]) for a in answers]))
-    numbers: dict[str, Any] = {
-        "shadow.requests": float(n),
+    numbers: dict[str, Any] = counts | {
         "shadow.top1_agreement": top1,
         "shadow.rank_correlation": tau,
         "shadow.unforced_rate": own,
@@ -163,6 +213,12 @@ def evaluate(
         "shadow.champion.logged_latency_ms.p50": float(rows["latency_ms"].median()),
     }
     checks = [
+        at_least(
+            "shadow.requests",
+            n,
+            config.min_requests,
+            f"logged requests of {champion.name} v{champion.version} replayed",
+        ),
         at_least("shadow.top1_agreement", top1, config.min_top1_agreement, "same top-1 as the served answer"),
         at_least(
             "shadow.rank_correlation", tau, config.min_rank_correlation, "mean Kendall tau to the served"
@@ -174,7 +230,9 @@ def evaluate(
         report["latency"] = f"not checked: the champion is the pre-rank ({latency.detail})"
     else:
         checks.append(latency)
-    checks.append(_feedback_check(rows, mine, delivered, config, gate, numbers))
+    checks.append(_feedback_evidence(fed, len(delivered), config))
+    if checks[-1].passed:  # the realised hit rate only on enough feedback
+        checks.append(_feedback_check(rows, mine, nexts, config, gate, numbers))
     return report | {"checks": checks, "numbers": numbers}
 
 
@@ -212,21 +270,15 @@ def _latency_check(
 def _feedback_check(
     rows: pd.DataFrame,
     mine: list[list[str]],
-    delivered: pd.DataFrame,
+    nexts: list[str | None],
     config: ShadowConfig,
     gate: GateConfig,
     numbers: dict[str, Any],
 ) -> Check:
-    """Realised hit rate (top-1 = the user's next interaction) of the challenger and of the served answer."""
+    """Realised hit rate (top-1 = the user's next interaction, `nexts`) of the challenger and of the
+    served answer; called with at least `min_feedback` of them."""
     name = "shadow.hit_rate_vs_champion.low"
-    nexts = next_interactions(rows, delivered)
     keep = [i for i, t in enumerate(nexts) if t is not None]
-    numbers["shadow.feedback_requests"] = float(len(keep))
-    numbers["shadow.next_in_candidates"] = float(
-        sum(nexts[i] in list(rows["candidates"].iloc[i]) for i in keep)
-    )
-    if len(keep) < config.min_feedback:
-        return _too_few(name, len(keep), config.min_feedback, "requests with a delivered next interaction")
     ours = [float(mine[i][0] == nexts[i]) for i in keep]
     theirs = [float(rows["ranking"].iloc[i][0] == nexts[i]) for i in keep]
     users = [str(rows["user_id"].iloc[i]) for i in keep]
