@@ -326,7 +326,7 @@ def test_too_few_logged_requests_refuse_saying_how_many_were_found_and_needed() 
         "too few logged requests of the serving champion diffusion-gr2 v1: 49 found, 50 needed;"
         in (few["reasons"])
     )
-    assert "make serve" in few["reasons"] and "retrain.shadow.enabled: false" in few["reasons"]
+    assert "make serve" in few["reasons"] and "retrain.shadow.enabled=false" in few["reasons"]
     assert few["numbers"]["shadow.feedback_requests"] == 49.0
     # 50 logged, one with a candidate the catalogue lacks: 49 replayable, said so
     log = logged(50)
@@ -384,7 +384,7 @@ def test_make_register_without_served_traffic_refuses_in_one_line_and_the_champi
         f"logged requests of the serving champion diffusion-gr2 v{first['diffusion']}: 0 found, 50 needed, "
         "and 0 with a delivered next interaction, 30 needed (this gate had no delivery); not judged: serve "
         "traffic with `make serve` (serving.request_log on), then retrain on a delivery holding those "
-        "users' next interactions (`make retrain`), or set retrain.shadow.enabled: false to gate on the "
+        "users' next interactions (`make retrain`), or set retrain.shadow.enabled=false to gate on the "
         "offline slice alone)"
     ]
     assert registry.alias_version(registry.DIFFUSION_MODEL, registry.CHAMPION).version == first["diffusion"]

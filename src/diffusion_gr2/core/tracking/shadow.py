@@ -21,7 +21,7 @@ The evidence is checked first, each count against its minimum: `shadow.requests`
 of the serving champion that the compared models can serve, at least `min_requests`) and
 `shadow.feedback_requests` (those with a delivered next interaction, at least `min_feedback`). With
 too few logged requests the one failing check is `shadow.requests`, its detail saying both counts
-found and needed and what to do (serve traffic, or `retrain.shadow.enabled: false`); nothing else is
+found and needed and what to do (serve traffic, or `retrain.shadow.enabled=false`); nothing else is
 judged. With enough of them but too little feedback, the other checks are judged and
 `shadow.feedback_requests` fails in place of the hit rate (a `make register` has no delivery, so
 no feedback). Too little traffic never passes for a good
@@ -92,7 +92,7 @@ def next_interactions(requests: pd.DataFrame, delivered: pd.DataFrame) -> list[s
 
 
 # What a team does about missing evidence (the refusal's reason says it; `make register` logs it).
-DISABLE = "or set retrain.shadow.enabled: false to gate on the offline slice alone"
+DISABLE = "or set retrain.shadow.enabled=false to gate on the offline slice alone"
 SERVE = "serve traffic with `make serve` (serving.request_log on)"
 DELIVER = "retrain on a delivery holding those users' next interactions (`make retrain`)"
 
