@@ -146,6 +146,7 @@ def _typed_configs(params: dict[str, Any]) -> dict[type, list[str]]:
     from diffusion_gr2.core.tracking.gate import GateConfig
     from diffusion_gr2.core.tracking.ingest import IngestConfig
     from diffusion_gr2.core.tracking.request_log import RequestLogConfig
+    from diffusion_gr2.core.tracking.retrain_decision import RetrainConfig
     from diffusion_gr2.core.tracking.shadow import ShadowConfig
     from diffusion_gr2.core.train.grpo import GRPOConfig
     from diffusion_gr2.core.train.loop import TrainConfig
@@ -173,6 +174,7 @@ def _typed_configs(params: dict[str, Any]) -> dict[type, list[str]]:
         RolloutConfig: stages("rollout"),
         GRPOConfig: stages("grpo"),
         TrajectoryConfig: ["distill.trajectories"],
+        RetrainConfig: ["retrain"],
         RegisterConfig: ["retrain.register"],
         IngestConfig: ["retrain.ingest"],
         DriftConfig: ["retrain.drift"],

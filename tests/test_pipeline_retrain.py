@@ -1,21 +1,33 @@
-"""End-to-end retrains at smoke sizes: a cold one (no champion yet), then a warm one from its champion."""
+"""End-to-end retrains at smoke sizes: a cold one (no champion yet), then a warm one from its champion;
+the retrain's operating point is inference's."""
 
 from __future__ import annotations
 
+import copy
+import itertools
 import json
+import types
 from pathlib import Path
+from typing import Any
 
 import pandas as pd
 import pytest
+import torch
 import yaml
 from mlflow import MlflowClient
 from transformers import PreTrainedTokenizerFast
 
+from diffusion_gr2.core.bench import benchmark
 from diffusion_gr2.core.data.recbole import embedded_ml100k_folder
+from diffusion_gr2.core.rank import point_search, rerank
 from diffusion_gr2.core.rank.rerank import SERVED_DIFFUSION
 from diffusion_gr2.core.tracking import registry
 from diffusion_gr2.core.tracking.lineage_report import lineage_lines
+from diffusion_gr2.pipelines.inference.nodes import make_rerank_node
+from diffusion_gr2.pipelines.retrain.nodes import choose_operating_point
 from tests.conftest import isolated_project, run_kedro
+from tests.core.model.tiny import tiny_model_for
+from tests.core.rank.world import make_world
 
 HEADER = "user_id:token\titem_id:token\trating:float\ttimestamp:float"
 
@@ -101,3 +113,80 @@ def test_a_cold_retrain_then_a_warm_one_from_its_champion(tmp_path: Path) -> Non
         ]
         text = "\n".join(lines)
         assert f"run {first_run}" in text and "node convert_teacher" in text and "(raw file)" in text
+
+
+INFERENCE: dict[str, Any] = {  # `inference` as the nodes read it: every key, no floors, the least timing
+    "splits": ["valid", "test"],
+    "max_requests": None,
+    "sweep_max_requests": 2,
+    "taus": [0.9, 0.5],
+    "taus_by_system": {},
+    "operating_point": {
+        "systems": [SERVED_DIFFUSION],
+        "reference": "ar_rl",
+        "budget": 1.0,
+        "n_boot": 100,
+        "min_unforced_rate": None,
+        "floor_screen": None,
+        "min_speed_ratio": None,
+        "speed_batch_size": 1,
+        "taus": [0.9, 0.5],
+        "windows": [None, 2],
+        "timing": {"n_prompts": 2, "batch_sizes": [1, 2], "rounds": 2, "min_calls": 1, "warmup": 0},
+    },
+    "decoding": {"max_new_tokens": 8, "batch_size": 4, "constrained": False, "device": "cpu"},
+}
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {},  # chosen
+        {"budget": -0.5},  # refused on accuracy, never timed
+        {"min_speed_ratio": 1e9},  # refused on the timed speed
+        {"min_unforced_rate": 0.5, "floor_screen": {"requests": 2, "z": 1.0}},  # stopped at the screen
+        {"systems": ["rl"]},  # the served system chooses nothing: {}
+    ],
+)
+def test_the_retrain_chooses_the_operating_point_inference_chooses(
+    change: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`choose_operating_point` (one core call) and inference's nodes (`rerank_ar_rl`, then the
+    served system's) on the same models and validation requests: the same record, field for field,
+    under clocks whose every reading advances by one (the passes' wall clock and the harness's)."""
+
+    def steady() -> None:
+        ticks = itertools.count()
+        monkeypatch.setattr(rerank, "time", types.SimpleNamespace(perf_counter=lambda: float(next(ticks))))
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            calls = itertools.count()
+            return benchmark.time_candidates(*args, clock=lambda: float(next(calls)), **kwargs)
+
+        monkeypatch.setattr(point_search, "time_candidates", timed)
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny models: more threads only add contention
+    try:
+        tokenizer, requests = make_world(n_users=5, splits=("test", "valid"))
+        torch.manual_seed(0)
+        ar, diffusion = tiny_model_for(tokenizer), tiny_model_for(tokenizer, block_size=4)
+        params = copy.deepcopy(INFERENCE)
+        params["operating_point"] |= change
+        steady()
+        retrained = choose_operating_point(diffusion, ar, requests, tokenizer, copy.deepcopy(params))
+        steady()
+        valid = {**params, "splits": ["valid"]}
+        reference = make_rerank_node("ar_rl")(ar, requests, tokenizer, valid)
+        point = make_rerank_node(SERVED_DIFFUSION)(diffusion, requests, tokenizer, valid, reference, ar)[
+            "operating_point"
+        ]
+    finally:
+        torch.set_num_threads(threads)
+    expected = {} if point is None else {SERVED_DIFFUSION: point}
+
+    def text(record: dict[str, Any]) -> str:  # JSON as operating_point.json holds it (NaN == NaN)
+        return json.dumps(record, sort_keys=True, default=str)
+
+    assert text(retrained) == text(expected)
+    assert (point is None) == ("systems" in change)

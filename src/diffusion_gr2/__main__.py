@@ -181,13 +181,13 @@ def retrain(env: str | None, force: bool, client) -> int:  # noqa: ANN001 (an Ml
     from kedro.framework.session import KedroSession
     from kedro.framework.startup import bootstrap_project
 
-    from diffusion_gr2.core.tracking.retrain_decision import decide_from_params
+    from diffusion_gr2.core.tracking.retrain_decision import RetrainConfig, decide_from_params
     from diffusion_gr2.settings import CONFIG_LOADER_ARGS
 
     # the project's own loader settings (base/local, the `env` resolver), as the Kedro session uses
     loader = OmegaConfigLoader("conf", env=env or os.environ.get("KEDRO_ENV"), **CONFIG_LOADER_ARGS)
     params = loader["parameters"]["retrain"]
-    force = force or bool(params.get("force", False))
+    force = force or RetrainConfig.from_params(params).force
     decision = decide_from_params(params, force, client)  # the pipeline's node reads the same
     if not decision.retrain:
         sys.stdout.write(f"{decision.reason}\n")

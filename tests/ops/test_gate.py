@@ -54,7 +54,8 @@ def params(tmp_path: Path, **gate_overrides: float) -> dict:
         "speed_rounds": 6,  # the fewest whose range covers the 95% level
         **gate_overrides,
     }
-    return {"gate": gate, "shadow": {"enabled": False}, "lock_file": str(tmp_path / ".retrain.lock")}
+    lock = str(tmp_path / ".retrain.lock")
+    return {"force": False, "lock_file": lock, "min_new_rows": 1, "gate": gate, "shadow": {"enabled": False}}
 
 
 def registering(world: World, without_operating_point: bool = False) -> dict:

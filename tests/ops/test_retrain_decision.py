@@ -10,8 +10,9 @@ import pytest
 
 from diffusion_gr2.core.tracking import registry
 from diffusion_gr2.core.tracking.ingest import IngestConfig
-from diffusion_gr2.core.tracking.retrain_decision import NothingToRetrain, decide_retrain
-from tests.conftest import make_project_copy, run_kedro
+from diffusion_gr2.core.tracking.retrain_decision import NothingToRetrain, RetrainConfig, decide_retrain
+from diffusion_gr2.parameters import load_parameters
+from tests.conftest import PROJECT_ROOT, make_project_copy, run_kedro
 from tests.ops.conftest import World
 from tests.ops.test_retrain_command import HEADER, held_lines, versions
 
@@ -33,6 +34,20 @@ def champion(world: World) -> str:
     ).version
     registry.promote(registry.DIFFUSION_MODEL, version, "test")
     return version
+
+
+def test_the_retrain_settings_are_one_typed_config_that_refuses_unknown_keys() -> None:
+    section = load_parameters(conf_source=PROJECT_ROOT / "conf")["retrain"]
+    config = RetrainConfig.from_params(section)
+    assert (config.force, config.lock_file, config.min_new_rows) == (
+        section["force"],
+        section["lock_file"],
+        section["min_new_rows"],
+    )
+    with pytest.raises(ValueError, match=r"retrain: unknown keys \['min_new_row'\], missing keys \[\]"):
+        RetrainConfig.from_params(section | {"min_new_row": 5})
+    with pytest.raises(ValueError, match=r"retrain: unknown keys \[\], missing keys \['lock_file'\]"):
+        RetrainConfig.from_params({k: v for k, v in section.items() if k != "lock_file"})
 
 
 def decide(force: bool = False):

@@ -16,6 +16,9 @@ always timed there, beside the reference, or the system is refused. A validation
 wall-clock figure stays in the record (`pass_tokens_per_s` beside a timed figure; `tokens_per_s` of
 a candidate refused before timing, which nothing ranks) as what the pass cost, never as a speed
 that chooses. The rules themselves are the pure functions of `operating_point.py`.
+
+A caller that holds the reference's model but not its validation rows (a retrain, which runs no
+inference stage) calls `search_beside_reference`, which decodes them first.
 """
 
 from __future__ import annotations
@@ -57,6 +60,7 @@ __all__ = [
     "OperatingPointSearch",
     "Reference",
     "TauWindow",
+    "search_beside_reference",
     "search_operating_point",
 ]
 
@@ -194,6 +198,31 @@ def search_operating_point(
         timed = iter(_timed(model, tokenizer, system, requests, reference.model, decoding, config, passed))
         candidates = [next(timed) if ok else c for c, ok in zip(candidates, admitted, strict=True)]
     return OperatingPointSearch(rows, _choose(system, candidates, ref_recall, config))
+
+
+def search_beside_reference(
+    model: PreTrainedModel,
+    reference_model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    system: str,
+    requests: pd.DataFrame,
+    decoding: RerankConfig,
+    config: OperatingPointConfig,
+) -> OperatingPointSearch:
+    """`search_operating_point` for a caller with the reference's model but not its rows (a retrain,
+    which runs no inference stage): the reference decodes every validation request first, as
+    inference's `rerank_<reference>` node does, then the search pairs and times the candidates beside it.
+
+    `model` and `reference_model` as loaded (both are made ready to decode here); `requests` are the
+    validation requests in `select_requests` order.
+    """
+    model = prepare_model(model, decoding.device)
+    reference_model = prepare_model(reference_model, decoding.device)
+    # an AR system decodes once, whatever the settings (`rerank_system`)
+    rows = rerank_system(reference_model, requests, tokenizer, config.reference, [], decoding, "valid")[0]
+    return search_operating_point(
+        model, tokenizer, system, requests, Reference(rows, reference_model), decoding, config
+    )
 
 
 def _decode_candidates(

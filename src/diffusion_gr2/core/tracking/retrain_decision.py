@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +47,7 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "NO_RETRAIN_REPORT",
     "NothingToRetrain",
+    "RetrainConfig",
     "RetrainDecision",
     "decide_from_params",
     "decide_retrain",
@@ -57,6 +59,38 @@ NO_RETRAIN_REPORT = "data/08_reporting/retrain/ingest_without_retrain.json"
 
 class NothingToRetrain(RuntimeError):
     """Raised by a retrain pipeline run asked to go on past a decision not to retrain."""
+
+
+# The sections of `retrain` that other typed configs read: IngestConfig, DriftConfig, GateConfig,
+# ShadowConfig (core/tracking), RegisterConfig and the warm-start plan (pipelines/retrain).
+RETRAIN_SECTIONS = frozenset({"ingest", "drift", "warm_start", "register", "gate", "shadow"})
+
+
+@dataclass(frozen=True)
+class RetrainConfig:
+    """`retrain`'s own settings (its sections are their own configs). No defaults: conf/base holds
+    every value, with why."""
+
+    force: bool  # retrain even when nothing new arrived (`--force`, `retrain.force=true`)
+    lock_file: str  # one retrain at a time: the decision's ingest, and the pipeline's from ingest to gate
+    min_new_rows: int  # fewer new rows wait in the incoming folder, unless strong drift forces a retrain
+
+    @classmethod
+    def from_params(cls, section: Mapping[str, Any]) -> RetrainConfig:
+        """From `params["retrain"]`: every setting required; a key that is neither one of them nor
+        one of `RETRAIN_SECTIONS` is refused (a typo would otherwise pass silently)."""
+        own = {f.name for f in fields(cls)}
+        unknown, missing = sorted(set(section) - own - RETRAIN_SECTIONS), sorted(own - set(section))
+        if unknown or missing:
+            raise ValueError(
+                f"retrain: unknown keys {unknown}, missing keys {missing} (its settings: {sorted(own)}; "
+                f"its sections: {sorted(RETRAIN_SECTIONS)})"
+            )
+        return cls(
+            force=bool(section["force"]),
+            lock_file=str(section["lock_file"]),
+            min_new_rows=int(section["min_new_rows"]),
+        )
 
 
 @dataclass(frozen=True)
@@ -117,14 +151,16 @@ def delivery_drift(
 
 
 def decide_from_params(params: dict[str, Any], force: bool, client: MlflowClient) -> RetrainDecision:
-    """`decide_retrain` on the ``retrain`` parameters (the CLI and the pipeline's node read the same)."""
+    """`decide_retrain` on the ``retrain`` parameters (the CLI and the pipeline's node read the same);
+    forced when `force` or `retrain.force`."""
+    config = RetrainConfig.from_params(params)
     return decide_retrain(
         IngestConfig(**params["ingest"]),
-        params["lock_file"],
-        force or bool(params.get("force", False)),
+        config.lock_file,
+        force or config.force,
         client,
         drift=DriftConfig(**params["drift"]),
-        min_new_rows=int(params["min_new_rows"]),
+        min_new_rows=config.min_new_rows,
     )
 
 

@@ -11,7 +11,8 @@ from typing import Any
 import mlflow
 import pandas as pd
 
-from diffusion_gr2.core.rank.rerank import SERVED_DIFFUSION
+from diffusion_gr2.core.rank.point_search import OperatingPointConfig, search_beside_reference
+from diffusion_gr2.core.rank.rerank import SERVED_DIFFUSION, RerankConfig, select_requests
 from diffusion_gr2.core.tracking import model_card, registry, shadow
 from diffusion_gr2.core.tracking.gate import GateConfig, newest_slice
 from diffusion_gr2.core.tracking.ingest import (
@@ -25,6 +26,7 @@ from diffusion_gr2.core.tracking.lineage import DigestCache
 from diffusion_gr2.core.tracking.mlflow_utils import as_metrics_history
 from diffusion_gr2.core.tracking.promotion import gate_and_promote
 from diffusion_gr2.core.tracking.request_log import RequestLogConfig, read_log
+from diffusion_gr2.core.tracking.retrain_decision import RetrainConfig
 from diffusion_gr2.core.tracking.serving import PRERANK, Ranker, ServingConfig
 
 logger = logging.getLogger(__name__)
@@ -32,7 +34,7 @@ logger = logging.getLogger(__name__)
 
 def take_in_incoming(params: dict[str, Any]) -> dict[str, Any]:
     """Hold the retrain lock, then validate and merge the incoming files (the report says what happened)."""
-    acquire_lock(params["lock_file"])
+    acquire_lock(RetrainConfig.from_params(params).lock_file)
     return ingest(IngestConfig(**params["ingest"]))
 
 
@@ -104,20 +106,24 @@ def choose_operating_point(
     model_diffusion: Any, model_ar_rl: Any, requests: pd.DataFrame, tokenizer: Any, inference: dict[str, Any]
 ) -> dict[str, Any]:
     """The served diffusion system's operating point for the models this retrain trained, on its
-    validation requests.
+    validation requests: `operating_point.json`'s entry, keyed by the system ({} when
+    `inference.operating_point.systems` does not name it).
 
-    The inference stage's own rule and passes (`rerank_ar_rl` as the reference, then the served
-    system's candidates), on the validation split only: the test passes are the default run's report,
-    and the gate measures the challenger on the newest test requests itself.
+    The inference stage's rule and settings, in one core call (`search_beside_reference`: `ar_rl`
+    decodes the validation requests, then the candidates are decoded, gated, timed beside it and one
+    chosen or all refused); validation only: the test passes are the default run's report, and the
+    gate measures the challenger on the newest test requests itself.
     """
-    from diffusion_gr2.pipelines.inference.nodes import make_rerank_node
-
-    valid = {**inference, "splits": ["valid"]}
-    reference = make_rerank_node("ar_rl")(model_ar_rl, requests, tokenizer, valid)
-    result = make_rerank_node(SERVED_DIFFUSION)(
-        model_diffusion, requests, tokenizer, valid, reference, model_ar_rl
+    config = OperatingPointConfig.from_params(inference["operating_point"])
+    if not config.chooses(SERVED_DIFFUSION):
+        logger.info("%s chooses no operating point (inference.operating_point.systems)", SERVED_DIFFUSION)
+        return {}
+    decoding = RerankConfig(**inference["decoding"])
+    valid = select_requests(requests, "valid", inference["max_requests"])
+    found = search_beside_reference(
+        model_diffusion, model_ar_rl, tokenizer, SERVED_DIFFUSION, valid, decoding, config
     )
-    return {} if result["operating_point"] is None else {SERVED_DIFFUSION: result["operating_point"]}
+    return {SERVED_DIFFUSION: found.point}
 
 
 def register_models(
@@ -223,6 +229,9 @@ def run_gate(
     The diffusion challenger also replays the champion's logged requests (`_shadow`; feedback from
     `ingest_report`'s delivery, none after a first run). The retrain lock is released however the gate ends.
     """
+    # before the try: the finally releases it (a `retrain` section refused here was refused by the
+    # ingest, which takes the lock, first)
+    lock_file = RetrainConfig.from_params(params).lock_file
     try:
         config = GateConfig(**params["gate"])
         replay = _shadow(params, serving, ingest_report)
@@ -238,7 +247,7 @@ def run_gate(
             )
         model_card.publish_cards(result)  # a card per gated version, from what the run recorded
     finally:
-        release_lock(params["lock_file"])
+        release_lock(lock_file)
     return {
         "gate_report": result,
         "gate_metrics": as_metrics_history({k: v for k, v in result["numbers"].items() if v is not None}),
