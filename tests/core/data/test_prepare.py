@@ -161,6 +161,9 @@ def test_config_from_params_and_rating_filter(make_raw: MakeRaw) -> None:
     with pytest.raises(ValueError, match=r"min_rating=4\.5 keeps none of the 3 interactions"):
         prepare(raw, config)
     assert prepare(raw, PrepConfig.from_params({**params, "min_rating": 4.0})).stats["interactions"] == 3
+    # a key neither the config nor the reader holds is refused, not left silently at its default
+    with pytest.raises(ValueError, match=r"data_prep: unknown keys \['kcore'\]"):
+        PrepConfig.from_params({**params, "kcore": 10})
 
 
 @FAST

@@ -34,6 +34,8 @@ __all__ = [
     "valid_points_per_user",
 ]
 
+# The `data_prep` keys that name what is read, not how it is prepared (`prepare_dataset` reads them).
+READ_KEYS = frozenset({"dataset", "raw_root"})
 MIN_USER_INTERACTIONS = 3  # leave-one-out needs one train, one validation and one test interaction
 
 
@@ -57,8 +59,16 @@ class PrepConfig:
 
     @classmethod
     def from_params(cls, params: Mapping[str, Any]) -> PrepConfig:
-        """Build from a parameters mapping, ignoring keys that belong to other steps (e.g. ``dataset``)."""
+        """From `params["data_prep"]`; the reader's keys (`READ_KEYS`) are skipped, any other key this
+        class does not hold is refused (a typo would otherwise leave a setting at its default).
+
+        A key left out keeps its default above: DESIGN §3's preparation, which conf/base states in
+        full (there with 7 test and validation points per user, not leave-one-out).
+        """
         names = {f.name for f in fields(cls)}
+        unknown = sorted(set(params) - names - READ_KEYS)
+        if unknown:
+            raise ValueError(f"data_prep: unknown keys {unknown} (its settings: {sorted(names | READ_KEYS)})")
         return cls(**{key: value for key, value in params.items() if key in names})
 
 
