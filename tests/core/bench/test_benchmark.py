@@ -330,6 +330,40 @@ def test_the_diffusion_drafted_row_writes_the_references_tokens_and_counts_as_an
     assert add_speedups(rows)[2]["speedup_vs_best_ar"] == pytest.approx(1.5)
 
 
+def test_graphs_rows_time_the_static_step_of_the_reference_and_each_served_line(world) -> None:
+    """`<system>+graphs` (the static decode step; CUDA graphs on a GPU) twins the reference's rows and
+    each diffusion system's served line at `graphs_batch_sizes`, not its sweep: the same output
+    lengths and forwards as the plain rows (tokens pinned in tests/core/decode/test_static.py)."""
+    tokenizer, prompts, grammars = world
+    models = {"ar_rl": tiny_model_for(tokenizer), "rl": tiny_model_for(tokenizer, block_size=4)}
+    result = _bench(
+        models,
+        tokenizer,
+        prompts,
+        points={"rl": point(0.9, None)},
+        grammars=grammars,
+        constrained=(True, False),
+        batch_sizes=(1, 2),
+        graphs_batch_sizes=(2,),
+        taus=(0.6,),
+        sweep_systems=("rl",),
+        sweep_batch_sizes=(2,),
+    )
+    graphed = {
+        (r["system"], r["batch_size"], r["constrained"]) for r in result.rows if "+graphs" in r["system"]
+    }
+    assert graphed == {(s, 2, c) for s in ("ar_rl+graphs", "rl+graphs") for c in (True, False)}
+    for system, tau in (("ar_rl", None), ("rl", 0.9)):
+        for c in (True, False):
+            plain = _row(result.rows, system, 2, c, tau=tau)
+            static = _row(result.rows, system + "+graphs", 2, c)
+            assert static["tau"] == tau
+            assert (static["mean_output_tokens"], static["nfe_per_sample"]) == (
+                plain["mean_output_tokens"],
+                plain["nfe_per_sample"],
+            )
+
+
 def test_the_best_ar_speedup_is_paired_with_the_fastest_ar_row() -> None:
     def row(system, tps, drift=(1.0, 0.5, 0.8)):
         rounds = [tps * d for d in drift]

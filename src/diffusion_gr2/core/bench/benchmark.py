@@ -98,6 +98,7 @@ GENERATE = "generate"  # row name of `transformers` `generate` on the reference 
 PROMPT_LOOKUP = "+pld"  # row-name suffix of a lossless prompt-lookup row (`ar_rl+pld`, `generate+pld`)
 # row-name suffix of the reference verifying a diffusion system's drafts (`ar_rl+rl-draft`)
 DRAFTED_BY = "+{}-draft"
+GRAPHS = "+graphs"  # row-name suffix of the static decode step's rows (`BenchmarkConfig.graphs_batch_sizes`)
 BENCHMARK_KEYS = (
     "system",
     "tau",
@@ -178,6 +179,10 @@ class BenchmarkConfig:
     drafter: str | None = "distilled"
     drafter_tokens: int | None = None
     drafter_batch_sizes: tuple[int, ...] = (1,)
+    # `<system>+graphs` rows: the reference and each diffusion system's served line (its operating
+    # point, or `unserved_tau`) again with the static decode step (`DecodeConfig.static_cache`;
+    # captured as CUDA graphs on a GPU, eager elsewhere) at these batch sizes; () = no such rows.
+    graphs_batch_sizes: tuple[int, ...] = ()
 
     @classmethod
     def from_params(cls, timing: Mapping[str, Any]) -> BenchmarkConfig:
@@ -209,6 +214,7 @@ class TimedSetting:
         None  # AR drafts (lossless): draft tokens per forward; None = off (a drafter: its block)
     )
     drafter: str | None = None  # the diffusion system writing the drafts; None = prompt lookup
+    graphs: bool = False  # the static decode step; CUDA graphs on a GPU (`graphs_batch_sizes`)
 
     @property
     def key(self) -> tuple[str, float | None, int | None, bool, int, int | None]:
@@ -220,7 +226,7 @@ class TimedSetting:
         for rl's drafts verified by ar_rl."""
         if self.drafter is not None:
             return self.system + DRAFTED_BY.format(self.drafter)
-        return self.system + (PROMPT_LOOKUP if self.draft_tokens else "")
+        return self.system + (PROMPT_LOOKUP if self.draft_tokens else "") + (GRAPHS if self.graphs else "")
 
 
 @dataclass(frozen=True)
@@ -303,7 +309,24 @@ def plan_settings(
                 settings.setdefault(setting.key, setting)  # the first (operating-point) line wins
     ar = [s for s in settings.values() if s.tau is None]
     rest = [s for s in settings.values() if s.tau is not None]
-    return [*ar, *drafted, *rest]
+    return [*ar, *drafted, *rest, *_graphed(ar + rest, config)]
+
+
+def _graphed(settings: Sequence[TimedSetting], config: BenchmarkConfig) -> list[TimedSetting]:
+    """The `+graphs` twins of the reference's rows and of each diffusion system's served line."""
+    served = [
+        s
+        for s in settings
+        if s.batch_size in config.graphs_batch_sizes
+        and (s.system == config.reference or (s.tau is not None and _served(s, config)))
+    ]
+    return [replace(s, graphs=True) for s in served]
+
+
+def _served(s: TimedSetting, config: BenchmarkConfig) -> bool:
+    """Whether `s` is its system's served line: its operating point, or the `unserved_tau` line."""
+    unserved = config.unserved_tau is not None and s.tau == float(config.unserved_tau) and s.window is None
+    return s.operating_point or unserved
 
 
 def plan_length_settings(settings: Sequence[TimedSetting], config: BenchmarkConfig) -> list[TimedSetting]:
@@ -313,10 +336,7 @@ def plan_length_settings(settings: Sequence[TimedSetting], config: BenchmarkConf
     for s in settings:
         if s.batch_size != 1 or not s.constrained or s.system == GENERATE or s.draft_tokens or s.drafter:
             continue
-        unserved = (
-            config.unserved_tau is not None and s.tau == float(config.unserved_tau) and s.window is None
-        )
-        if s.operating_point or unserved:  # a system's operating-point lines come before its sweep
+        if _served(s, config) and not s.graphs:  # a system's operating-point lines come before its sweep
             lines.setdefault(s.system, s)
     return [replace(s, budget=int(b)) for s in lines.values() for b in config.length_budgets]
 
@@ -347,6 +367,8 @@ def make_runner(
         rerank = replace(rerank, draft="model", draft_tokens=min(setting.draft_tokens or block, block))
     elif setting.draft_tokens and setting.system != GENERATE:
         rerank = replace(rerank, draft="prompt", draft_tokens=int(setting.draft_tokens))
+    if setting.graphs:
+        rerank = replace(rerank, static_cache=True, cuda_graphs=True)
     if setting.system == GENERATE:
         hf_model = models[reference]
         hf_cfg = decode_config_for(hf_model, tokenizer, None, rerank)
@@ -417,8 +439,9 @@ def add_speedups(rows: Sequence[Mapping[str, Any]], reference: str = "ar_rl") ->
     """`speedup_vs_ar` of every row with its interval: paired by round with `reference`'s row at the
     same batch size and constrained flag (`harness.speedup`; None when the reference has no such row);
     and `speedup_vs_best_ar` against the fastest AR row of the reference's weights there (`best_ar`
-    names it: plain, `+pld`, `+<drafter>-draft`, `generate` or `generate+pld`: every lossless one)."""
-    ar_names = {reference, reference + PROMPT_LOOKUP, GENERATE, GENERATE + PROMPT_LOOKUP}
+    names it: plain, `+pld`, `+<drafter>-draft`, `+graphs`, `generate` or `generate+pld`: every
+    lossless one)."""
+    ar_names = {reference, reference + PROMPT_LOOKUP, reference + GRAPHS, GENERATE, GENERATE + PROMPT_LOOKUP}
     prefix, suffix = (reference + DRAFTED_BY).split("{}")
     ar_names |= {r["system"] for r in rows if r["system"].startswith(prefix) and r["system"].endswith(suffix)}
     ref, best = {}, {}

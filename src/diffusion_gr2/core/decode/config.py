@@ -77,6 +77,13 @@ class DecodeConfig:
     # The SID threshold holds only after this token sequence (the ranking list's key,
     # `grammar_tokens.list_key_ids`): the explanation's cited SIDs keep `threshold`. Empty = everywhere.
     sid_after: tuple[int, ...] = ()
+    # The static step (`static.py`): a KV cache allocated once for the prompt and the longest answer,
+    # attention over all of it under a key mask, a fixed query width per step kind; the same tokens
+    # (tests/core/decode/test_static.py). Opt-in: on the CPU it is slower (it attends to dead keys).
+    static_cache: bool = False
+    # With `static_cache`, on CUDA: each (rows, width) step captured once as a CUDA graph and replayed
+    # (elsewhere the static step runs eagerly). Unmeasured until a GPU is lent (issue 45).
+    cuda_graphs: bool = False
 
 
 @dataclass(frozen=True)
@@ -110,6 +117,7 @@ def check(
     if config.commit_rule not in COMMIT_RULES:
         raise ValueError(f"commit_rule must be one of {COMMIT_RULES}, got {config.commit_rule!r}")
     _check_drafts(config, drafter)
+    _check_static(config)
     if constraints is not None:
         if constraints != prompts:
             raise ValueError(f"{prompts} prompts but {constraints} constraints")
@@ -155,3 +163,20 @@ def _check_drafts(config: DecodeConfig, drafter: PreTrainedModel | None) -> None
             )
         if config.draft_tokens > int(block):
             raise ValueError(f"draft_tokens {config.draft_tokens} exceeds the drafter's block size {block}")
+
+
+def _check_static(config: DecodeConfig) -> None:
+    """The static step (`static.py`) where it is built: the lean forward, with a cache (every
+    feature of the cached runner runs there: windows, drafts of either kind, the grammar)."""
+    if config.cuda_graphs and not config.static_cache:
+        raise ValueError("cuda_graphs captures the static step: it needs static_cache")
+    if not config.static_cache:
+        return
+    refused = {
+        "recompute (the reference runner has no cache to make static)": config.recompute,
+        "backend 'eager' (the static step runs the lean forward, core/model/lean.py)": config.backend
+        == "eager",
+    }
+    named = [what for what, on in refused.items() if on]
+    if named:
+        raise ValueError("static_cache does not support " + ", ".join(named))

@@ -5,7 +5,8 @@ blocks). Read top to bottom:
 
 * `config.py`: what is asked (`DecodeConfig`), what comes back (`DecodeOutput`), what is refused.
 * `runner.py` + `kv_cache.py`: forwards of `[clean tokens not cached yet | canvas]` against the cache,
-  rows done with their block left out of a forward.
+  rows done with their block left out of a forward. `static.py` + `static_cache.py` (opt-in,
+  `static_cache`): the same forwards as fixed-shape steps that CUDA graphs capture (`cuda_graphs`).
 * `commit.py`: pure functions: the choice, the window, the commit rule (`prefix`, `confident`) and
   the SID gate.
 * `constrain.py`: the constraint walk (the answer grammar of `grammar.py` over the token tables of

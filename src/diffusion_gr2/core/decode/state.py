@@ -28,6 +28,7 @@ from diffusion_gr2.core.decode.runner import (
     lean_forward,
     left_pad_prompts,
 )
+from diffusion_gr2.core.decode.static import StaticRunner
 from diffusion_gr2.core.model.masks import prompt_response_layout
 
 __all__ = ["Batch", "Block", "Record"]
@@ -112,7 +113,7 @@ class Batch:
     prompt, so a finished row leaves `active` (and the runner) and nothing else moves.
     """
 
-    runner: Runner
+    runner: Runner | StaticRunner
     cfg: DecodeConfig
     gen: torch.Generator
     eos: frozenset[int]
@@ -143,9 +144,11 @@ class Batch:
         layout = prompt_response_layout(
             valid, torch.ones(len(prompts), width, dtype=torch.bool, device=dev), k
         )
-        runner: Runner
+        runner: Runner | StaticRunner
         if cfg.recompute:
             runner = RecomputeRunner(model, layout)
+        elif cfg.static_cache:  # the same step in fixed shapes (static.py); graphs on CUDA
+            runner = StaticRunner(model, layout, k, cfg.cuda_graphs)
         else:
             runner = CachedRunner(model, layout, lean_forward(model, cfg.backend, layout.length))
         return cls(

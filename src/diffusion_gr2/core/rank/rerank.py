@@ -125,6 +125,10 @@ class RerankConfig:
     # Where the SID threshold holds: "answer" (every SID code) or "list" (the ranking list only: the
     # explanation's cited SIDs keep tau; DecodeConfig.sid_after).
     sid_scope: str = "answer"
+    # The static decode step (core/decode/static.py: fixed shapes, the same tokens; slower on the CPU)
+    # and, with it on CUDA, its steps captured as CUDA graphs and replayed. Off: unmeasured on a GPU.
+    static_cache: bool = DecodeConfig.static_cache
+    cuda_graphs: bool = DecodeConfig.cuda_graphs
 
 
 def resolve_device(name: str) -> torch.device:
@@ -197,6 +201,8 @@ def decode_config_for(
         sid_threshold=config.sid_threshold if block_size > 1 else None,
         sid_token_ids=sid_token_ids(tokenizer) if sid_gated else frozenset(),
         sid_after=list_key_ids(tokenizer) if sid_gated and config.sid_scope == "list" else (),
+        static_cache=config.static_cache,
+        cuda_graphs=config.cuda_graphs,
     )
 
 
