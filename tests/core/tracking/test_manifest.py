@@ -15,7 +15,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from diffusion_gr2.core.evaluate.results import results_markdown
+from diffusion_gr2.core.evaluate.results import results_markdown, runs_text
 from diffusion_gr2.core.tracking import manifest
 from diffusion_gr2.core.tracking.manifest import MixedRunsError, RunManifest, load_reports, read_report
 from diffusion_gr2.datasets import AtomicJSONDataset, OptionalJSONDataset, ReportRunsDataset, RunReportDataset
@@ -165,6 +165,18 @@ def test_a_failed_rerun_leaves_its_files_labelled_with_no_timing_record(tmp_path
         and "no node_times record (running when this was written, or failed)" in table
     )
     assert "* comparisons.json, operating_point.json, benchmark.json: run aaaaaaaa" in table
+
+
+def test_the_report_of_a_run_still_running_says_so_not_that_it_failed(tmp_path: Path) -> None:
+    """The report is its run's last node: the run's minutes are recorded only after it."""
+    manifest.begin_run(RUN_B)
+    for name, data in _figures(0.3).items():
+        if name in ACCURACY:
+            RunReportDataset(str(tmp_path / f"{name}.json")).save(data)
+    manifest.end_run()
+    sources = load_reports(tmp_path, [f"{n}.json" for n in ACCURACY])
+    assert "this run, still running when this was written" in runs_text(sources, RUN_B.run_id)
+    assert "no node_times record (running when this was written, or failed)" in runs_text(sources, "other")
 
 
 def test_files_without_a_run_record_are_labelled(tmp_path: Path) -> None:

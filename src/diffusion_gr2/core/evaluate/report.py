@@ -94,6 +94,8 @@ class ReportInputs:
     speedup_by_length: Sequence[Mapping[str, Any]] | None = None
     decode_profile: Mapping[str, Any] | None = None
     runs: RunSources | None = None  # the report files' manifests: the runs their figures came from
+    # the run writing the report (its id), whose minutes are recorded only when it ends
+    writing_run: str | None = None
     training_curves: Curves = field(default_factory=dict)
     reference: str = "ar_rl"  # the AR system speed-ups and frontier marks refer to
     split: str = "test"  # the reported split (valid chooses)
@@ -589,7 +591,7 @@ def render_markdown(inputs: ReportInputs, figures: Mapping[str, Figure]) -> str:
         + (
             "The same table, with the run's date, commit, machine and minutes: `make results`."
             if inputs.runs is None
-            else runs_text(inputs.runs)
+            else runs_text(inputs.runs, inputs.writing_run)
         ),
         _inputs_section(inputs),
         _stage_section(inputs),

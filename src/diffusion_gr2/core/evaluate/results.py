@@ -210,9 +210,12 @@ def _times_of(folder: Path, manifest: RunManifest) -> Mapping[str, Any] | None:
     return None
 
 
-def runs_text(sources: RunSources) -> str:
+def runs_text(sources: RunSources, writing_run: str | None = None) -> str:
     """Which run each file's figures came from: one `Run:` line when they all came from one run,
-    else a line per source run; then any model two runs measured with different weights."""
+    else a line per source run; then any model two runs measured with different weights.
+
+    `writing_run`: the id of the run writing this text (the report, written by its own run's last
+    node): its minutes cannot be known yet, and the line says so rather than that it failed."""
     runs, folder = sources.runs(), sources.folder
     if not runs:
         return "Run: unknown (no report files)."
@@ -224,7 +227,13 @@ def runs_text(sources: RunSources) -> str:
             lines.append(f"{', '.join(files)}: {NO_RECORD} (written before run manifests, or by hand)")
             continue
         times = None if folder is None else _times_of(folder, manifest)
-        took = _minutes(times) if times else "no node_times record (running when this was written, or failed)"
+        took = (
+            _minutes(times)
+            if times
+            else "this run, still running when this was written (its minutes: `make results`)"
+            if writing_run and manifest.run_id == writing_run
+            else "no node_times record (running when this was written, or failed)"
+        )
         lines.append(f"{', '.join(files)}: {manifest.label()}; {_machine(manifest.machine)}; {took}")
     if len(lines) == 1:
         text = f"Run: {lines[0]}."

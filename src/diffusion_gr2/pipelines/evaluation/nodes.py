@@ -28,6 +28,7 @@ from diffusion_gr2.core.evaluate.report import (
     render_markdown,
     report_figures,
 )
+from diffusion_gr2.core.tracking.manifest import current_manifest
 from diffusion_gr2.core.tracking.mlflow_utils import as_metrics_history
 
 
@@ -113,7 +114,13 @@ def write_report(
     report = params["report"]
     curves = load_training_curves(_experiment_id(report["experiment"]), report["training_stages"])
     inputs = ReportInputs(
-        stage_rows, comparisons, reasoning, decoding_stats(rankings), training_curves=curves, **files
+        stage_rows,
+        comparisons,
+        reasoning,
+        decoding_stats(rankings),
+        training_curves=curves,
+        writing_run=current_manifest().run_id,
+        **files,
     )
     figures = report_figures(inputs)
     markdown = render_markdown(inputs, figures)
