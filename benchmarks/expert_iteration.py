@@ -27,11 +27,9 @@ from transformers import AutoTokenizer
 
 from diffusion_gr2.core.model.factory import load_model, save_model
 from diffusion_gr2.core.rank.rerank import RerankConfig, decode_config_for, decode_requests
-from diffusion_gr2.core.text.parser import parse_answer
-from diffusion_gr2.core.text.tokenizer import decode_response
 from diffusion_gr2.core.train.loop import TrainConfig, train
 from diffusion_gr2.core.train.stages import SupervisedConfig, example_batches, supervised_loss
-from diffusion_gr2.core.train.trajectory import token_roles
+from diffusion_gr2.core.train.trajectory import parsed_answer, token_roles
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE_COLUMNS = ["prompt_ids", "response_ids", "response_roles"]
@@ -49,10 +47,7 @@ def own_answers(model_dir: Path, tokenizer, requests: pd.DataFrame) -> pd.DataFr
     )
     rows = []
     for req, out in zip(requests.itertuples(index=False), outputs, strict=True):
-        sids = [str(s) for s in req.candidate_sids]
-        parsed = parse_answer(decode_response(tokenizer, out.tokens), sids)
-        target = sids[[int(c) for c in req.candidates].index(int(req.target))]
-        rank = parsed.ranking.index(target) + 1 if parsed.valid and target in parsed.ranking else 0
+        parsed, rank = parsed_answer(tokenizer, out.tokens, req)
         tokens = list(out.tokens)
         rows.append(
             {

@@ -22,7 +22,9 @@ Recording is `record_trajectories` (one decode pass, the one decoder); training 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -34,13 +36,14 @@ from diffusion_gr2.core.rank.rerank import (
     decode_requests,
     request_grammars,
 )
-from diffusion_gr2.core.text.parser import parse_answer
+from diffusion_gr2.core.text.parser import ParsedAnswer, parse_answer
 from diffusion_gr2.core.text.tokenizer import decode_response, response_roles
 
 __all__ = [
     "TRAJECTORY_COLUMNS",
     "TrajectoryConfig",
     "kept_trajectories",
+    "parsed_answer",
     "record_trajectories",
     "token_roles",
 ]
@@ -102,10 +105,7 @@ def record_trajectories(
     )
     records = []
     for req, out in zip(rows.itertuples(index=False), outputs, strict=True):
-        sids = [str(s) for s in req.candidate_sids]
-        parsed = parse_answer(decode_response(tokenizer, out.tokens), sids)
-        target_sid = sids[[int(i) for i in req.candidates].index(int(req.target))]
-        rank = parsed.ranking.index(target_sid) + 1 if parsed.valid and target_sid in parsed.ranking else 0
+        parsed, rank = parsed_answer(tokenizer, out.tokens, req)
         reason = (
             f"invalid:{parsed.reason}"
             if not parsed.valid
@@ -129,6 +129,18 @@ def record_trajectories(
             }
         )
     return pd.DataFrame(records, columns=list(TRAJECTORY_COLUMNS))
+
+
+def parsed_answer(
+    tokenizer: PreTrainedTokenizerBase, tokens: Sequence[int], request: Any
+) -> tuple[ParsedAnswer, int]:
+    """A decoded answer to `request` (a requests row) parsed, and the 1-based rank it gives the
+    request's target (0 = invalid or not ranked)."""
+    sids = [str(s) for s in request.candidate_sids]
+    parsed = parse_answer(decode_response(tokenizer, tokens), sids)
+    target = sids[[int(i) for i in request.candidates].index(int(request.target))]
+    rank = parsed.ranking.index(target) + 1 if parsed.valid and target in parsed.ranking else 0
+    return parsed, rank
 
 
 def kept_trajectories(trajectories: pd.DataFrame) -> pd.DataFrame:
