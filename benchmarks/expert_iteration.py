@@ -6,7 +6,8 @@
     .venv/bin/python benchmarks/decode_variants.py --models /tmp/ei --requests data/05_model_input/requests.parquet \\
         --systems ar_rl mix10 own3 --reference ar_rl --max-users 400
 
-The teacher (`--init`, `ar_rl`) decodes every training request greedily without the grammar, once
+The DAG's `teacher_ei` stage is one of these variants (conf/base/parameters_training.yml); this
+screens others side by side. The teacher (`--init`, `ar_rl`) decodes every training request greedily without the grammar, once
 (`OUT/own.parquet`); an answer is kept when it is valid (its own, not the grammar's) and ranks the
 target within `rank`. Each variant fine-tunes the teacher on the kept answers (`mix=true`: together
 with the SFT examples) with the SFT loss for `--steps` steps, and is saved to `OUT/<name>` beside
@@ -26,39 +27,19 @@ import torch
 from transformers import AutoTokenizer
 
 from diffusion_gr2.core.model.factory import load_model, save_model
-from diffusion_gr2.core.rank.rerank import RerankConfig, decode_config_for, decode_requests
+from diffusion_gr2.core.rank.rerank import RerankConfig
 from diffusion_gr2.core.train.loop import TrainConfig, train
 from diffusion_gr2.core.train.stages import SupervisedConfig, example_batches, supervised_loss
-from diffusion_gr2.core.train.trajectory import parsed_answer, token_roles
+from diffusion_gr2.core.train.trajectory import EXAMPLE_COLUMNS, TrajectoryConfig, record_trajectories
 
 ROOT = Path(__file__).resolve().parents[1]
-EXAMPLE_COLUMNS = ["prompt_ids", "response_ids", "response_roles"]
 
 
 def own_answers(model_dir: Path, tokenizer, requests: pd.DataFrame) -> pd.DataFrame:
-    """Greedy free answers to `requests` with their validity and the target's rank (0: unranked)."""
-    model = load_model(model_dir).eval()
-    decoding = RerankConfig(constrained=False)
-    outputs = decode_requests(
-        model,
-        list(requests["prompt_ids"]),
-        decode_config_for(model, tokenizer, None, decoding),
-        "own answers",
-    )
-    rows = []
-    for req, out in zip(requests.itertuples(index=False), outputs, strict=True):
-        parsed, rank = parsed_answer(tokenizer, out.tokens, req)
-        tokens = list(out.tokens)
-        rows.append(
-            {
-                "prompt_ids": list(req.prompt_ids),
-                "response_ids": tokens,
-                "response_roles": token_roles(tokenizer, tokens),
-                "valid": bool(parsed.valid),
-                "target_rank": rank,
-            }
-        )
-    return pd.DataFrame(rows)
+    """Greedy free answers to `requests` with their validity and the target's rank (0: unranked):
+    the DAG's `record_teacher_answers`, every answer recorded (variants choose their own rank)."""
+    config = TrajectoryConfig(tau=None, requests=None, max_target_rank=10, seed=0, grammar=False)
+    return record_trajectories(load_model(model_dir).eval(), tokenizer, requests, RerankConfig(), config)
 
 
 def main() -> None:

@@ -1,4 +1,5 @@
-"""The training nodes every stage shares: SFT/CFT, DAPO RL (AR or diffusion), and their bookkeeping."""
+"""The training nodes every stage shares: SFT/CFT, DAPO RL (AR or diffusion), recording a policy's own
+decodes (distillation, expert iteration), and their bookkeeping."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pandas as pd
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
+from diffusion_gr2.core.rank.rerank import RerankConfig, prepare_model
 from diffusion_gr2.core.tracking.mlflow_utils import MlflowTracker
 from diffusion_gr2.core.train.checkpoint import content_fingerprint
 from diffusion_gr2.core.train.grpo import GRPOConfig
@@ -25,6 +27,7 @@ from diffusion_gr2.core.train.stages import (
     rl_loss,
     supervised_loss,
 )
+from diffusion_gr2.core.train.trajectory import TrajectoryConfig, record_trajectories
 from diffusion_gr2.runner import launch_size
 
 
@@ -124,4 +127,24 @@ def train_policy_rl(
     stage = params["stage"]
     return train_stage(
         stage, model, make_batch, loss_fn, params, train_requests, summarise=rl_diagnostics, decodes=True
+    )
+
+
+def record_trajectories_node(
+    model: PreTrainedModel,
+    requests: pd.DataFrame,
+    tokenizer: PreTrainedTokenizerFast,
+    params: dict[str, Any],
+    inference: dict[str, Any],
+) -> pd.DataFrame:
+    """`params.trajectories.requests` training requests decoded as inference serves them (the grammar as
+    `params.trajectories.grammar` says): distillation's trajectories, expert iteration's own answers."""
+    decoding = RerankConfig(**inference["decoding"])
+    train_requests = requests[requests["split"] == "train"].reset_index(drop=True)
+    return record_trajectories(
+        prepare_model(model, decoding.device),
+        tokenizer,
+        train_requests,
+        decoding,
+        TrajectoryConfig(**params["trajectories"]),
     )

@@ -18,12 +18,18 @@ distillation). What it is taught here, from its own served decodes on training r
 
 Recording is `record_trajectories` (one decode pass, the one decoder); training is the CFT loss of
 `stages.supervised_loss` on the kept rows, in the one loop. Rows set aside keep their reason.
+
+The same recording serves **expert iteration** on the AR teacher (`tau` None, `grammar` off): its own
+free answers, kept when valid and ranking the target well, join the SFT examples
+(`self_training_examples`) and the teacher is fine-tuned on both, so it writes its own valid answers
+more often (docs/experiments.md#expert-iteration-on-the-teacher).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -39,12 +45,16 @@ from diffusion_gr2.core.rank.rerank import (
 from diffusion_gr2.core.text.parser import ParsedAnswer, parse_answer
 from diffusion_gr2.core.text.tokenizer import decode_response, response_roles
 
+logger = logging.getLogger(__name__)
+
 __all__ = [
+    "EXAMPLE_COLUMNS",
     "TRAJECTORY_COLUMNS",
     "TrajectoryConfig",
     "kept_trajectories",
     "parsed_answer",
     "record_trajectories",
+    "self_training_examples",
     "token_roles",
 ]
 
@@ -67,10 +77,13 @@ TRAJECTORY_COLUMNS = (
 class TrajectoryConfig:
     """Which decodes are recorded and which are kept."""
 
-    tau: float = 0.75  # commit threshold of the recorded decodes: the served candidate's
+    tau: float | None = 0.75  # commit threshold of the recorded decodes: the served candidate's; None = AR
     requests: int | None = 1024  # training requests decoded (a seeded sample); None = every one
     max_target_rank: int = 3  # keep an answer only if it ranks the target at most here
     seed: int = 0
+    # decode under the served answer grammar; False: free decodes, the model's own answers (an
+    # invalid one is set aside, so what is kept is valid without the grammar's help)
+    grammar: bool = True
 
 
 def token_roles(tokenizer: PreTrainedTokenizerBase, tokens: list[int]) -> list[int]:
@@ -91,6 +104,7 @@ def record_trajectories(
     config: TrajectoryConfig,
 ) -> pd.DataFrame:
     """Decode `config.requests` of `requests` as served and record each decode (`TRAJECTORY_COLUMNS`)."""
+    decoding = replace(decoding, constrained=decoding.constrained and config.grammar)
     n = len(requests) if config.requests is None else min(config.requests, len(requests))
     order = np.random.default_rng(config.seed).permutation(len(requests))[:n]
     rows = requests.iloc[np.sort(order)].reset_index(drop=True)
@@ -141,6 +155,19 @@ def parsed_answer(
     target = sids[[int(i) for i in request.candidates].index(int(request.target))]
     rank = parsed.ranking.index(target) + 1 if parsed.valid and target in parsed.ranking else 0
     return parsed, rank
+
+
+EXAMPLE_COLUMNS = ["prompt_ids", "response_ids", "response_roles"]
+
+
+def self_training_examples(examples: pd.DataFrame, trajectories: pd.DataFrame) -> pd.DataFrame:
+    """Supervised examples (`EXAMPLE_COLUMNS`) followed by the kept trajectories' answers (none kept:
+    the examples alone, a model that writes no valid answer of its own yet still trains on them)."""
+    kept = trajectories.loc[trajectories["kept"], EXAMPLE_COLUMNS]
+    logger.info(
+        "self-training: %d examples + %d of %d own answers kept", len(examples), len(kept), len(trajectories)
+    )
+    return pd.concat([examples[EXAMPLE_COLUMNS], kept], ignore_index=True)
 
 
 def kept_trajectories(trajectories: pd.DataFrame) -> pd.DataFrame:

@@ -11,7 +11,7 @@ def create_pipeline(**kwargs) -> Pipeline:
         [
             Node(
                 train_supervised,
-                ["model_naive", "sft_examples", "tokenizer", "params:cft"],
+                ["model_naive", "teacher_examples", "tokenizer", "params:cft"],
                 ["model_cft", "cft_summary"],
                 name="train_cft",
                 tags=ALL_RANKS,

@@ -7,28 +7,8 @@ from typing import Any
 import pandas as pd
 from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
-from diffusion_gr2.core.rank.rerank import RerankConfig, prepare_model
-from diffusion_gr2.core.train.trajectory import TrajectoryConfig, kept_trajectories, record_trajectories
+from diffusion_gr2.core.train.trajectory import kept_trajectories
 from diffusion_gr2.pipelines.training import train_supervised
-
-
-def record_trajectories_node(
-    model: PreTrainedModel,
-    requests: pd.DataFrame,
-    tokenizer: PreTrainedTokenizerFast,
-    params: dict[str, Any],
-    inference: dict[str, Any],
-) -> pd.DataFrame:
-    """`params.trajectories.requests` training requests decoded as inference serves them."""
-    decoding = RerankConfig(**inference["decoding"])
-    train_requests = requests[requests["split"] == "train"].reset_index(drop=True)
-    return record_trajectories(
-        prepare_model(model, decoding.device),
-        tokenizer,
-        train_requests,
-        decoding,
-        TrajectoryConfig(**params["trajectories"]),
-    )
 
 
 def train_distilled(

@@ -6,9 +6,10 @@ training runs on every process of a launch, as the other training stages do.
 
 from kedro.pipeline import Node, Pipeline
 
+from diffusion_gr2.pipelines.training import record_trajectories_node
 from diffusion_gr2.runner import ALL_RANKS
 
-from .nodes import record_trajectories_node, train_distilled
+from .nodes import train_distilled
 
 
 def create_pipeline(**kwargs) -> Pipeline:

@@ -74,6 +74,7 @@ def registration_pipeline(delivery: str | None = None) -> Pipeline:
 BUDGETED_NODES = (
     "midtrain_ar_copy",
     "train_ar_sft",
+    "train_ar_ei",
     "train_ar_rl",
     "train_cft",
     "train_opd",
