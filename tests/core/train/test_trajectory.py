@@ -20,10 +20,12 @@ from diffusion_gr2.core.train.stages import (
     supervised_loss,
 )
 from diffusion_gr2.core.train.trajectory import (
+    EXAMPLE_COLUMNS,
     TRAJECTORY_COLUMNS,
     TrajectoryConfig,
     kept_trajectories,
     record_trajectories,
+    self_training_examples,
     token_roles,
 )
 from tests.core.decode.test_replay import PROMPTS as DECODE_PROMPTS
@@ -214,6 +216,39 @@ def test_no_kept_trajectory_is_a_clear_error(recorded) -> None:
     _, frame = recorded
     with pytest.raises(ValueError, match=r"no recorded trajectory was kept out of 6 \(set aside"):
         kept_trajectories(frame.assign(kept=False, reason="target_rank>2"))
+
+
+@pytest.fixture(scope="module")
+def own_answers(task: dict):  # noqa: F811
+    """An AR model's free answers (expert iteration's recording): no grammar, so some are invalid."""
+    tok = task["tokenizer"]
+    model = tiny_model_for(tok, 1)
+    config = TrajectoryConfig(tau=None, requests=None, max_target_rank=4, grammar=False)
+    return record_trajectories(
+        model, tok, task["requests"], RerankConfig(max_new_tokens=48, batch_size=4), config
+    )
+
+
+def test_free_recording_sets_its_invalid_answers_aside(task: dict, own_answers) -> None:  # noqa: F811
+    frame = own_answers
+    assert len(frame) == len(task["requests"])  # None = every request
+    assert not frame["valid"].all()  # an untrained model, no grammar: its own answers are not all valid
+    invalid = frame[~frame["valid"]]
+    assert (~invalid["kept"]).all() and invalid["reason"].str.startswith("invalid:").all()
+    assert (frame["kept"] == (frame["valid"] & frame["target_rank"].between(1, 4))).all()
+
+
+def test_self_training_examples_are_the_examples_then_the_kept_answers(task: dict, own_answers) -> None:  # noqa: F811
+    sft = task["sft"]
+    answers = own_answers.assign(kept=[i % 2 == 0 for i in range(len(own_answers))])
+    mixed = self_training_examples(sft, answers)
+    assert list(mixed.columns) == EXAMPLE_COLUMNS and len(mixed) == len(sft) + int(answers["kept"].sum())
+    assert mixed["response_ids"].map(list).tolist() == [
+        *sft["response_ids"].map(list),
+        *answers.loc[answers["kept"], "response_ids"].map(list),
+    ]
+    # a model with no valid answer of its own yet trains on the examples alone
+    assert len(self_training_examples(sft, own_answers.assign(kept=False))) == len(sft)
 
 
 def test_distillation_resumes_exactly_after_a_crash(task: dict, recorded, tmp_path) -> None:  # noqa: F811
