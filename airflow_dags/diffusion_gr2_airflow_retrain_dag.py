@@ -103,6 +103,18 @@ def diffusion_gr2():
     def train_ar_sft():
         run_nodes(pipeline_name, ["train_ar_sft"], env, conf_source)
 
+    @task(task_id="record-teacher-answers")
+    def record_teacher_answers():
+        run_nodes(pipeline_name, ["record_teacher_answers"], env, conf_source)
+
+    @task(task_id="teacher-self-training-examples")
+    def teacher_self_training_examples():
+        run_nodes(pipeline_name, ["teacher_self_training_examples"], env, conf_source)
+
+    @task(task_id="train-ar-ei")
+    def train_ar_ei():
+        run_nodes(pipeline_name, ["train_ar_ei"], env, conf_source)
+
     @task(task_id="train-ar-rl")
     def train_ar_rl():
         run_nodes(pipeline_name, ["train_ar_rl"], env, conf_source)
@@ -160,6 +172,9 @@ def diffusion_gr2():
         "encode-datasets": encode_datasets(),
         "midtrain-ar-copy": midtrain_ar_copy(),
         "train-ar-sft": train_ar_sft(),
+        "record-teacher-answers": record_teacher_answers(),
+        "teacher-self-training-examples": teacher_self_training_examples(),
+        "train-ar-ei": train_ar_ei(),
         "train-ar-rl": train_ar_rl(),
         "convert-teacher": convert_teacher(),
         "train-cft": train_cft(),
@@ -205,16 +220,25 @@ def diffusion_gr2():
     tasks["midtrain-ar-copy"] >> tasks["train-ar-sft"]
     tasks["plan-warm-start"] >> tasks["train-ar-sft"]
     tasks["train-tokenizer"] >> tasks["train-ar-sft"]
+    tasks["encode-datasets"] >> tasks["record-teacher-answers"]
+    tasks["train-ar-sft"] >> tasks["record-teacher-answers"]
+    tasks["train-tokenizer"] >> tasks["record-teacher-answers"]
+    tasks["encode-datasets"] >> tasks["teacher-self-training-examples"]
+    tasks["record-teacher-answers"] >> tasks["teacher-self-training-examples"]
+    tasks["plan-warm-start"] >> tasks["train-ar-ei"]
+    tasks["teacher-self-training-examples"] >> tasks["train-ar-ei"]
+    tasks["train-ar-sft"] >> tasks["train-ar-ei"]
+    tasks["train-tokenizer"] >> tasks["train-ar-ei"]
     tasks["encode-datasets"] >> tasks["train-ar-rl"]
     tasks["plan-warm-start"] >> tasks["train-ar-rl"]
-    tasks["train-ar-sft"] >> tasks["train-ar-rl"]
+    tasks["train-ar-ei"] >> tasks["train-ar-rl"]
     tasks["train-tokenizer"] >> tasks["train-ar-rl"]
     tasks["plan-warm-start"] >> tasks["convert-teacher"]
     tasks["train-ar-rl"] >> tasks["convert-teacher"]
     tasks["train-tokenizer"] >> tasks["convert-teacher"]
     tasks["convert-teacher"] >> tasks["train-cft"]
-    tasks["encode-datasets"] >> tasks["train-cft"]
     tasks["plan-warm-start"] >> tasks["train-cft"]
+    tasks["teacher-self-training-examples"] >> tasks["train-cft"]
     tasks["train-tokenizer"] >> tasks["train-cft"]
     tasks["encode-datasets"] >> tasks["train-opd"]
     tasks["plan-warm-start"] >> tasks["train-opd"]
