@@ -196,7 +196,7 @@ def recorded(task: dict):  # noqa: F811
     tok = task["tokenizer"]
     model = tiny_model_for(tok, K)
     decoding = RerankConfig(max_new_tokens=96, batch_size=4)
-    config = TrajectoryConfig(tau=0.5, requests=6, max_target_rank=2)
+    config = TrajectoryConfig(tau=0.5, requests=6, max_target_rank=2, grammar=True)
     return model, record_trajectories(model, tok, task["requests"], decoding, config)
 
 
