@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from diffusion_gr2.pipelines.training import train_policy_rl
+from diffusion_gr2.core.train.trajectory import EXAMPLE_COLUMNS, TRAJECTORY_COLUMNS, self_training_examples
+from diffusion_gr2.pipelines.training import record_trajectories_node, train_policy_rl
 from tests.core.train.test_stages import policy_model, task  # noqa: F401 (`task` is a fixture)
 
 
@@ -36,3 +37,13 @@ def test_rl_checkpoints_must_fall_between_rollout_batches(task: dict, tmp_path: 
     tok = task["tokenizer"]
     with pytest.raises(ValueError, match="multiple of the 4 updates"):
         train_policy_rl(policy_model(tok, 1), task["requests"], tok, _params(tmp_path, checkpoint_every=3))
+
+
+def test_a_stage_with_no_steps_records_nothing_and_trains_on_the_examples_alone(task: dict) -> None:  # noqa: F811
+    """Expert iteration off (0 steps, the default budget): no decode runs, and the teacher's and
+    CFT's data are the SFT examples, row for row."""
+    params = {"train": {"max_steps": 0}, "trajectories": {"tau": None, "grammar": False}}
+    answers = record_trajectories_node(None, task["requests"], task["tokenizer"], params, {})
+    assert answers.empty and list(answers.columns) == list(TRAJECTORY_COLUMNS)
+    examples = self_training_examples(task["sft"], answers)
+    assert examples.equals(task["sft"][EXAMPLE_COLUMNS].reset_index(drop=True))

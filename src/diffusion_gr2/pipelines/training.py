@@ -27,7 +27,7 @@ from diffusion_gr2.core.train.stages import (
     rl_loss,
     supervised_loss,
 )
-from diffusion_gr2.core.train.trajectory import TrajectoryConfig, record_trajectories
+from diffusion_gr2.core.train.trajectory import TRAJECTORY_COLUMNS, TrajectoryConfig, record_trajectories
 from diffusion_gr2.runner import launch_size
 
 
@@ -138,7 +138,10 @@ def record_trajectories_node(
     inference: dict[str, Any],
 ) -> pd.DataFrame:
     """`params.trajectories.requests` training requests decoded as inference serves them (the grammar as
-    `params.trajectories.grammar` says): distillation's trajectories, expert iteration's own answers."""
+    `params.trajectories.grammar` says): distillation's trajectories, expert iteration's own answers.
+    A stage with no training steps records nothing (an empty frame): nothing would learn from it."""
+    if params["train"]["max_steps"] <= 0:
+        return pd.DataFrame(columns=list(TRAJECTORY_COLUMNS)).astype({"kept": bool})
     decoding = RerankConfig(**inference["decoding"])
     train_requests = requests[requests["split"] == "train"].reset_index(drop=True)
     return record_trajectories(
