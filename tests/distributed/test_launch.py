@@ -32,7 +32,8 @@ STAGES = "teacher,conversion,cft,opd,rl"
 TRAINED = ("ar_sft", "ar_rl", "cft", "opd", "rl")
 # every training stage with two micro-batches per step: one process sees what two processes see
 ACCUMULATE = ",".join(
-    f"{s}.train.grad_accum=2" for s in ("teacher_midtrain", "teacher_sft", "teacher_rl", "cft", "opd", "rl")
+    f"{s}.train.grad_accum=2"
+    for s in ("teacher_midtrain", "teacher_sft", "teacher_ei", "teacher_rl", "cft", "opd", "rl")
 )
 PREPARED_LAYERS = DATA_LAYERS[:5]  # 01_raw .. 05_model_input: what the four preparing stages write
 LONG_RL = "rl.train.max_steps=24"  # 6 rollout batches: time to kill a rank between checkpoints

@@ -12,6 +12,7 @@ from tests.conftest import PROJECT_ROOT
 TRAINING = {
     "midtrain_ar_copy",
     "train_ar_sft",
+    "train_ar_ei",
     "train_ar_rl",
     "train_cft",
     "train_opd",
