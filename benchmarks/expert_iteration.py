@@ -6,10 +6,10 @@
     .venv/bin/python benchmarks/decode_variants.py --models /tmp/ei --requests data/05_model_input/requests.parquet \\
         --systems ar_rl mix10 own3 --reference ar_rl --max-users 400
 
-The DAG's `teacher_ei` stage is one of these variants (conf/base/parameters_training.yml); this
-screens others side by side. The teacher (`--init`, `ar_rl`) decodes every training request greedily without the grammar, once
-(`OUT/own.parquet`); an answer is kept when it is valid (its own, not the grammar's) and ranks the
-target within `rank`. Each variant fine-tunes the teacher on the kept answers (`mix=true`: together
+The DAG's `teacher_ei` step is the mix10 variant (conf/base/parameters_training.yml); this screens
+others side by side. The teacher (`--init`, `ar_rl`) decodes every training request greedily
+without the grammar, once (`OUT/own.parquet`); an answer is kept when it is valid (its own, not the
+grammar's) and ranks the target within `rank`. Each variant fine-tunes the teacher on the kept answers (`mix=true`: together
 with the SFT examples) with the SFT loss for `--steps` steps, and is saved to `OUT/<name>` beside
 links to `ar_rl` and the tokenizer, so decode_variants.py compares its own valid rate and R@1 on
 validation (these figures choose settings; test only reports).

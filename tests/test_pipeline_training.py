@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from diffusion_gr2.core.train.trajectory import EXAMPLE_COLUMNS, TRAJECTORY_COLUMNS, self_training_examples
+from diffusion_gr2.pipelines.distill.nodes import train_distilled
 from diffusion_gr2.pipelines.training import record_trajectories_node, train_policy_rl
 from tests.core.train.test_stages import policy_model, task  # noqa: F401 (`task` is a fixture)
 
@@ -47,3 +48,9 @@ def test_a_stage_with_no_steps_records_nothing_and_trains_on_the_examples_alone(
     assert answers.empty and list(answers.columns) == list(TRAJECTORY_COLUMNS)
     examples = self_training_examples(task["sft"], answers)
     assert examples.equals(task["sft"][EXAMPLE_COLUMNS].reset_index(drop=True))
+    # distillation with no steps: nothing recorded, the model passed through unchanged
+    sentinel = object()
+    assert train_distilled(sentinel, answers, task["tokenizer"], params) == (
+        sentinel,
+        {"steps": 0, "skipped": True},
+    )

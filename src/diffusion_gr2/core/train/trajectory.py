@@ -166,7 +166,7 @@ EXAMPLE_COLUMNS = ["prompt_ids", "response_ids", "response_roles"]
 def self_training_examples(examples: pd.DataFrame, trajectories: pd.DataFrame) -> pd.DataFrame:
     """Supervised examples (`EXAMPLE_COLUMNS`) followed by the kept trajectories' answers (none kept,
     or nothing recorded: the examples alone)."""
-    kept = trajectories.loc[trajectories["kept"].astype(bool), EXAMPLE_COLUMNS]
+    kept = trajectories.loc[trajectories["kept"], EXAMPLE_COLUMNS]
     logger.info(
         "self-training: %d examples + %d of %d own answers kept", len(examples), len(kept), len(trajectories)
     )

@@ -17,7 +17,10 @@ def train_distilled(
     tokenizer: PreTrainedTokenizerFast,
     params: dict[str, Any],
 ) -> tuple[PreTrainedModel, dict[str, Any]]:
-    """The CFT loss on the kept trajectories' canvases plus the certainty term (`core/train/trajectory.py`)."""
+    """The CFT loss on the kept trajectories' canvases plus the certainty term (`core/train/trajectory.py`);
+    `train.max_steps: 0` skips it (nothing was recorded: `record_trajectories_node`)."""
+    if params["train"]["max_steps"] <= 0:
+        return model, {"steps": 0, "skipped": True}
     kept = kept_trajectories(trajectories)
     model, summary = train_supervised(model, kept, tokenizer, params)  # the noise pattern is a setting
     recorded = trajectories["response_ids"].map(len).sum()
