@@ -25,7 +25,7 @@ from tests.core.model.tiny import tiny_model_for
 from tests.core.rank.world import make_world
 
 N_USERS, SMOKE_USERS, SMOKE_TAUS = 10, 8, [0.9]  # smoke params: max_users 8, taus [0.9]
-OPERATING_POINT_SYSTEMS = ("rl", "distilled")  # smoke: inference.operating_point.systems
+OPERATING_POINT_SYSTEMS = ("distilled",)  # base (smoke inherits): inference.operating_point.systems
 
 
 def _catalog(project: Path) -> dict[str, dict]:

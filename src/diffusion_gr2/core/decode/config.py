@@ -35,7 +35,7 @@ class DecodeConfig:
     eos_token_ids: tuple[int, ...] = ()  # end-of-output tokens (`<|im_end|>`)
     mask_token_id: int | None = None  # required for block_size > 1
     pad_token_id: int = 0  # left padding of prompts (never attended to)
-    batch_size: int = 16  # rows decoded together
+    batch_size: int = 32  # rows decoded together
     seed: int = 0  # sampling generator
     recompute: bool = False  # the reference runner: no KV cache, the whole sequence re-run every step
     # A finished block's keys/values are written in the same forward as the next block's first step

@@ -100,7 +100,7 @@ class RerankConfig:
     # Defaults are conf/base's `inference.decoding` (tests/test_config.py holds them equal): what a
     # caller outside a Kedro run (a notebook, a script, a test) gets is what inference serves.
     max_new_tokens: int = 192  # teacher responses (reasoning + a 10-SID JSON answer): 107-142 tokens
-    batch_size: int = 16  # rows decoded together
+    batch_size: int = 32  # rows decoded together
     max_steps_per_block: int | None = None  # None -> block size (the decoder's default cap)
     commit_rule: str = DecodeConfig.commit_rule  # diffusion systems: which positions a step commits
     constrained: bool = True  # decode under each request's answer grammar (every answer valid)

@@ -82,11 +82,11 @@ class TrajectoryConfig:
 
     tau: float | None = 0.75  # commit threshold of the recorded decodes: the served candidate's; None = AR
     requests: int | None = 1024  # training requests decoded (a seeded sample); None = every one
-    max_target_rank: int = 3  # keep an answer only if it ranks the target at most here (10: any valid)
+    max_target_rank: int = 10  # keep an answer only if it ranks the target at most here (10: any valid)
     seed: int = 0
     # True: under the served answer grammar; False: free decodes, the model's own answers (an invalid
     # one is set aside, so what is kept is valid without the grammar's help)
-    grammar: bool = True
+    grammar: bool = False
 
 
 def token_roles(tokenizer: PreTrainedTokenizerBase, tokens: list[int]) -> list[int]:
