@@ -143,6 +143,14 @@ def diffusion_gr2():
     def train_distilled():
         run_nodes(pipeline_name, ["train_distilled"], env, conf_source)
 
+    @task(task_id="record-trajectories-round2")
+    def record_trajectories_round2():
+        run_nodes(pipeline_name, ["record_trajectories_round2"], env, conf_source)
+
+    @task(task_id="train-distilled-round2")
+    def train_distilled_round2():
+        run_nodes(pipeline_name, ["train_distilled_round2"], env, conf_source)
+
     @task(task_id="choose-operating-point")
     def choose_operating_point():
         run_nodes(pipeline_name, ["choose_operating_point"], env, conf_source)
@@ -182,6 +190,8 @@ def diffusion_gr2():
         "train-diffusion-rl": train_diffusion_rl(),
         "record-trajectories": record_trajectories(),
         "train-distilled": train_distilled(),
+        "record-trajectories-round2": record_trajectories_round2(),
+        "train-distilled-round2": train_distilled_round2(),
         "choose-operating-point": choose_operating_point(),
         "register-models": register_models(),
         "run-gate": run_gate(),
@@ -256,15 +266,22 @@ def diffusion_gr2():
     tasks["record-trajectories"] >> tasks["train-distilled"]
     tasks["train-diffusion-rl"] >> tasks["train-distilled"]
     tasks["train-tokenizer"] >> tasks["train-distilled"]
+    tasks["encode-datasets"] >> tasks["record-trajectories-round2"]
+    tasks["train-distilled"] >> tasks["record-trajectories-round2"]
+    tasks["train-tokenizer"] >> tasks["record-trajectories-round2"]
+    tasks["plan-warm-start"] >> tasks["train-distilled-round2"]
+    tasks["record-trajectories-round2"] >> tasks["train-distilled-round2"]
+    tasks["train-distilled"] >> tasks["train-distilled-round2"]
+    tasks["train-tokenizer"] >> tasks["train-distilled-round2"]
     tasks["encode-datasets"] >> tasks["choose-operating-point"]
     tasks["train-ar-rl"] >> tasks["choose-operating-point"]
-    tasks["train-distilled"] >> tasks["choose-operating-point"]
+    tasks["train-distilled-round2"] >> tasks["choose-operating-point"]
     tasks["train-tokenizer"] >> tasks["choose-operating-point"]
     tasks["choose-operating-point"] >> tasks["register-models"]
     tasks["fit-item-sids"] >> tasks["register-models"]
     tasks["prepare-dataset"] >> tasks["register-models"]
     tasks["train-ar-rl"] >> tasks["register-models"]
-    tasks["train-distilled"] >> tasks["register-models"]
+    tasks["train-distilled-round2"] >> tasks["register-models"]
     tasks["gate-requests"] >> tasks["run-gate"]
     tasks["register-models"] >> tasks["run-gate"]
     tasks["take-in-incoming"] >> tasks["run-gate"]

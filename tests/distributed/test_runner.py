@@ -18,6 +18,7 @@ TRAINING = {
     "train_opd",
     "train_diffusion_rl",
     "train_distilled",
+    "train_distilled_round2",
 }
 
 

@@ -80,6 +80,7 @@ BUDGETED_NODES = (
     "train_opd",
     "train_diffusion_rl",
     "train_distilled",
+    "train_distilled_round2",
 )
 
 
