@@ -240,8 +240,9 @@ def resolve_operating_point(points: Mapping[str, Any] | None, system: str) -> tu
     """(tau, window) of `system` from `operating_point.json`; a clear error when it has none."""
     if not points or system not in points:
         raise OperatingPointError(
-            f"tau 'auto' for {system!r} but operating_point.json has no entry for it: run the inference "
-            "pipeline first (it chooses the operating point on validation)"
+            f"tau 'auto' for {system!r} but operating_point.json has no entry for it: it chooses none "
+            "(not in inference.operating_point.systems), or the inference pipeline has not run (it "
+            "chooses operating points on validation)"
         )
     point = points[system]
     if point.get("refused"):
