@@ -9,6 +9,7 @@ import pytest
 from diffusion_gr2.core.train.trajectory import EXAMPLE_COLUMNS, TRAJECTORY_COLUMNS, self_training_examples
 from diffusion_gr2.pipelines.distill.nodes import train_distilled
 from diffusion_gr2.pipelines.training import record_trajectories_node, train_policy_rl
+from tests.conftest import PROJECT_ROOT
 from tests.core.train.test_stages import policy_model, task  # noqa: F401 (`task` is a fixture)
 
 
@@ -54,3 +55,22 @@ def test_a_stage_with_no_steps_records_nothing_and_trains_on_the_examples_alone(
         sentinel,
         {"steps": 0, "skipped": True},
     )
+
+
+def test_the_second_distillation_round_starts_from_the_first_and_ends_in_the_served_model() -> None:
+    from diffusion_gr2.parameters import file_parameters
+    from diffusion_gr2.pipelines.distill.pipeline import create_pipeline
+
+    nodes = {n.name: n for n in create_pipeline().nodes}
+    assert nodes["record_trajectories"].inputs[0] == "model_rl"
+    assert nodes["train_distilled"].outputs[0] == "model_distill_round1"
+    assert nodes["record_trajectories_round2"].inputs[0] == "model_distill_round1"
+    assert nodes["train_distilled_round2"].inputs[:2] == ["model_distill_round1", "trajectories_round2"]
+    assert nodes["train_distilled_round2"].outputs[0] == "model_distilled"
+    # the second round takes the first's settings, under its own stage name (checkpoints, metrics)
+    params = file_parameters(PROJECT_ROOT / "conf/base/parameters_training.yml")
+    first, second = params["distill"], params["distill_round2"]
+    assert second["stage"] == "distill_round2" and first["stage"] == "distill"
+    assert {k: v for k, v in second.items() if k != "stage"} == {
+        k: v for k, v in first.items() if k != "stage"
+    }
