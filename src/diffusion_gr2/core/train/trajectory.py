@@ -12,12 +12,11 @@ distillation). What it is taught here, from its own served decodes on training r
   predicted right is lowered (`losses.certainty_penalty`), so they clear tau sooner;
 * **only answers worth copying** (rejection sampling, as the traces stage keeps teacher traces): a
   decode is kept when its answer is valid and ranks the request's target within `max_target_rank`.
-  Decoded as served by default (the answer grammar, jump-forward, the SID threshold): every answer is
-  valid and the grammar's corrections are among the targets. With `grammar` off the decodes are free
-  and an answer is kept only when the model wrote it valid on its own (expert iteration's rule); on
-  the expert-iteration chain that raised own validity more (0.488 against 0.424 at tau 0.9:
-  docs/experiments.md#expert-iteration-in-the-chain): canvases under the grammar never show the
-  model's own slips.
+  Decoded free by default (`grammar` off; jump-forward and the SID threshold as served): an answer is
+  kept only when the model wrote it valid on its own (expert iteration's rule). That raised own
+  validity more than decoding under the grammar, whose corrections become targets but whose canvases
+  never show the model's own slips (0.488 against 0.424 at tau 0.9:
+  docs/experiments.md#expert-iteration-in-the-chain).
 
 Recording is `record_trajectories` (one decode pass, the one decoder); training is the CFT loss of
 `stages.supervised_loss` on the kept rows, in the one loop. Rows set aside keep their reason.
