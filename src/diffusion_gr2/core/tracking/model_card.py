@@ -26,6 +26,7 @@ from mlflow import MlflowClient
 from mlflow.exceptions import MlflowException
 
 from diffusion_gr2.core.data.readers import classify_file
+from diffusion_gr2.core.evaluate.tables import markdown_table
 from diffusion_gr2.core.tracking.ingest import read_interactions
 from diffusion_gr2.core.tracking.lineage import file_md5
 from diffusion_gr2.core.tracking.lineage_report import Lineage, raw_inputs
@@ -154,22 +155,23 @@ def _data_section(facts: dict[str, Any]) -> list[str]:
 
 
 def _training_section(facts: dict[str, Any]) -> list[str]:
-    lines = [
-        "## Training stages and budgets",
-        "",
-        "| stage | steps run | final loss | seconds | resumed from |",
-    ]
-    lines.append("|---|---|---|---|---|")
-    others = []
+    rows, others = [], []
     for stage, entry in facts["training"].items():
         if "data" not in entry:
             others.append(f"`{stage}` ({entry['status']})")
             continue
         d = entry["data"]
-        lines.append(
-            f"| {stage} | {d.get('steps')} | {_num(d.get('final_loss'), 4)} | "
-            f"{_num(d.get('train_seconds'), 1)} | {d.get('resumed_from_step', 0)} |"
+        rows.append(
+            [
+                stage,
+                str(d.get("steps")),
+                _num(d.get("final_loss"), 4),
+                _num(d.get("train_seconds"), 1),
+                str(d.get("resumed_from_step", 0)),
+            ]
         )
+    head = ["stage", "steps run", "final loss", "seconds", "resumed from"]
+    lines = ["## Training stages and budgets", "", markdown_table(head, rows)]
     budgets = ", ".join(f"`{k}` {v}" for k, v in sorted(facts["params"].items())) or "none on record"
     lines += ["", f"Budgets (run parameters): {budgets}."]
     if others:
@@ -183,13 +185,21 @@ def _stage_section(facts: dict[str, Any]) -> list[str]:
     rows = [r for r in entry.get("data") or [] if r.get("split") == "test"]
     if not rows:
         return [*lines, "No stage table for this model: " + _source(entry), ""]
-    lines += ["| system | tau | n | R@1 [95%] | own valid | served valid |", "|---|---|---|---|---|---|"]
+    cells = []
     for r in rows:
         low, high = (r.get("ci") or {}).get("recall@1", [None, None])
-        lines.append(
-            f"| {r.get('system')} | {_num(r.get('tau'), 2)} | {r.get('n')} | {_num(r.get('recall@1'))} "
-            f"[{_num(low)}, {_num(high)}] | {_num(r.get('unforced_rate'))} | {_num(r.get('valid_rate'))} |"
+        cells.append(
+            [
+                str(r.get("system")),
+                _num(r.get("tau"), 2),
+                str(r.get("n")),
+                f"{_num(r.get('recall@1'))} [{_num(low)}, {_num(high)}]",
+                _num(r.get("unforced_rate")),
+                _num(r.get("valid_rate")),
+            ]
         )
+    head = ["system", "tau", "n", "R@1 [95%]", "own valid", "served valid"]
+    lines.append(markdown_table(head, cells))
     return [*lines, "", _source(entry), ""]
 
 
@@ -229,13 +239,12 @@ def _gate_section(facts: dict[str, Any]) -> list[str]:
         "",
         f"On {n.get('n_requests', '-')} requests. {gate.get('reasons', '')}",
         "",
-        "| check | value | threshold | passed |",
-        "|---|---|---|---|",
     ]
-    lines += [
-        f"| {c['name']} | {_num(c['value'], 4)} | {_num(c['threshold'], 4)} | {'yes' if c['passed'] else 'NO'} |"
+    checks = [
+        [c["name"], _num(c["value"], 4), _num(c["threshold"], 4), "yes" if c["passed"] else "NO"]
         for c in gate.get("checks") or []
     ]
+    lines.append(markdown_table(["check", "value", "threshold", "passed"], checks))
     return [*lines, ""]
 
 
