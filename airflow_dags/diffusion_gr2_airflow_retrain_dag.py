@@ -151,6 +151,14 @@ def diffusion_gr2():
     def train_distilled_round2():
         run_nodes(pipeline_name, ["train_distilled_round2"], env, conf_source)
 
+    @task(task_id="record-trajectories-round3")
+    def record_trajectories_round3():
+        run_nodes(pipeline_name, ["record_trajectories_round3"], env, conf_source)
+
+    @task(task_id="train-distilled-round3")
+    def train_distilled_round3():
+        run_nodes(pipeline_name, ["train_distilled_round3"], env, conf_source)
+
     @task(task_id="choose-operating-point")
     def choose_operating_point():
         run_nodes(pipeline_name, ["choose_operating_point"], env, conf_source)
@@ -192,6 +200,8 @@ def diffusion_gr2():
         "train-distilled": train_distilled(),
         "record-trajectories-round2": record_trajectories_round2(),
         "train-distilled-round2": train_distilled_round2(),
+        "record-trajectories-round3": record_trajectories_round3(),
+        "train-distilled-round3": train_distilled_round3(),
         "choose-operating-point": choose_operating_point(),
         "register-models": register_models(),
         "run-gate": run_gate(),
@@ -273,15 +283,22 @@ def diffusion_gr2():
     tasks["record-trajectories-round2"] >> tasks["train-distilled-round2"]
     tasks["train-distilled"] >> tasks["train-distilled-round2"]
     tasks["train-tokenizer"] >> tasks["train-distilled-round2"]
+    tasks["encode-datasets"] >> tasks["record-trajectories-round3"]
+    tasks["train-distilled-round2"] >> tasks["record-trajectories-round3"]
+    tasks["train-tokenizer"] >> tasks["record-trajectories-round3"]
+    tasks["plan-warm-start"] >> tasks["train-distilled-round3"]
+    tasks["record-trajectories-round3"] >> tasks["train-distilled-round3"]
+    tasks["train-distilled-round2"] >> tasks["train-distilled-round3"]
+    tasks["train-tokenizer"] >> tasks["train-distilled-round3"]
     tasks["encode-datasets"] >> tasks["choose-operating-point"]
     tasks["train-ar-rl"] >> tasks["choose-operating-point"]
-    tasks["train-distilled-round2"] >> tasks["choose-operating-point"]
+    tasks["train-distilled-round3"] >> tasks["choose-operating-point"]
     tasks["train-tokenizer"] >> tasks["choose-operating-point"]
     tasks["choose-operating-point"] >> tasks["register-models"]
     tasks["fit-item-sids"] >> tasks["register-models"]
     tasks["prepare-dataset"] >> tasks["register-models"]
     tasks["train-ar-rl"] >> tasks["register-models"]
-    tasks["train-distilled-round2"] >> tasks["register-models"]
+    tasks["train-distilled-round3"] >> tasks["register-models"]
     tasks["gate-requests"] >> tasks["run-gate"]
     tasks["register-models"] >> tasks["run-gate"]
     tasks["take-in-incoming"] >> tasks["run-gate"]

@@ -57,20 +57,28 @@ def test_a_stage_with_no_steps_records_nothing_and_trains_on_the_examples_alone(
     )
 
 
-def test_the_second_distillation_round_starts_from_the_first_and_ends_in_the_served_model() -> None:
+def test_each_distillation_round_starts_from_the_one_before_and_the_last_is_the_served_model() -> None:
     from diffusion_gr2.parameters import file_parameters
-    from diffusion_gr2.pipelines.distill.pipeline import create_pipeline
+    from diffusion_gr2.pipelines.distill.pipeline import ROUNDS, create_pipeline
 
+    assert ROUNDS == 3
     nodes = {n.name: n for n in create_pipeline().nodes}
+    assert len(nodes) == 2 * ROUNDS
     assert nodes["record_trajectories"].inputs[0] == "model_rl"
     assert nodes["train_distilled"].outputs[0] == "model_distill_round1"
     assert nodes["record_trajectories_round2"].inputs[0] == "model_distill_round1"
     assert nodes["train_distilled_round2"].inputs[:2] == ["model_distill_round1", "trajectories_round2"]
-    assert nodes["train_distilled_round2"].outputs[0] == "model_distilled"
-    # the second round takes the first's settings, under its own stage name (checkpoints, metrics)
+    assert nodes["train_distilled_round2"].outputs[0] == "model_distill_round2"
+    assert nodes["record_trajectories_round3"].inputs[0] == "model_distill_round2"
+    assert nodes["train_distilled_round3"].inputs[:2] == ["model_distill_round2", "trajectories_round3"]
+    assert nodes["train_distilled_round3"].outputs[0] == "model_distilled"
+    # every later round takes the first's settings, under its own stage name (checkpoints, metrics)
     params = file_parameters(PROJECT_ROOT / "conf/base/parameters_training.yml")
-    first, second = params["distill"], params["distill_round2"]
-    assert second["stage"] == "distill_round2" and first["stage"] == "distill"
-    assert {k: v for k, v in second.items() if k != "stage"} == {
-        k: v for k, v in first.items() if k != "stage"
-    }
+    first = params["distill"]
+    assert first["stage"] == "distill"
+    for k in range(2, ROUNDS + 1):
+        later = params[f"distill_round{k}"]
+        assert later["stage"] == f"distill_round{k}"
+        assert {key: v for key, v in later.items() if key != "stage"} == {
+            key: v for key, v in first.items() if key != "stage"
+        }

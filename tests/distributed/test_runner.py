@@ -19,6 +19,7 @@ TRAINING = {
     "train_diffusion_rl",
     "train_distilled",
     "train_distilled_round2",
+    "train_distilled_round3",
 }
 
 

@@ -137,6 +137,7 @@ def test_every_training_node_of_the_retrain_runs_under_a_warm_budget() -> None:
         "build_ar_model",
         "record_trajectories",
         "record_trajectories_round2",
+        "record_trajectories_round3",
         "record_teacher_answers",
     } == set(BUDGETED_NODES)  # they read a stage's settings
     assert {n.name for n in retrain_pipeline().nodes if "warm_start" in n.inputs} >= set(BUDGETED_NODES)

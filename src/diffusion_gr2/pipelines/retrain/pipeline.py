@@ -81,6 +81,7 @@ BUDGETED_NODES = (
     "train_diffusion_rl",
     "train_distilled",
     "train_distilled_round2",
+    "train_distilled_round3",
 )
 
 
