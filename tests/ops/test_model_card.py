@@ -116,8 +116,12 @@ def test_the_cli_prints_the_card(
         registry.DIFFUSION_MODEL, world.models["rl"], world.items, world.sids, world.config("rl")
     )
     publish_cards(gate_result(ref.version), config=CardConfig(str(tmp_path / "none")))
-    registry.promote(registry.DIFFUSION_MODEL, ref.version, "test")
+    # refused, so no champion yet: the error says how to read the version's card instead
     capsys.readouterr()
+    assert ops(["registry", "show", "--card"]) == 1
+    err = capsys.readouterr().err
+    assert "no alias 'champion'" in err and "registry show diffusion-gr2 --card VERSION_OR_ALIAS" in err
+    registry.promote(registry.DIFFUSION_MODEL, ref.version, "test")
     assert ops(["registry", "show", "--card"]) == 0
     out = capsys.readouterr().out
     assert out.startswith(f"# Model card: diffusion-gr2 version {ref.version}")

@@ -360,7 +360,13 @@ def publish_cards(
 def read_card(name: str, which: str, client: MlflowClient | None = None) -> str:
     """The stored card of `name` at version or alias `which`; `NotFoundError` saying why there is none."""
     client = client or MlflowClient()
-    mv = model_version(client, name, which) if which.isdigit() else version_by_alias(client, name, which)
+    try:
+        mv = model_version(client, name, which) if which.isdigit() else version_by_alias(client, name, which)
+    except NotFoundError as err:  # e.g. no champion after a refused gate: the challenger's card is there
+        raise NotFoundError(
+            f"{err}; read a version's card with `python -m diffusion_gr2 registry show {name} --card "
+            "VERSION_OR_ALIAS`"
+        ) from err
     with tempfile.TemporaryDirectory() as tmp:
         try:
             uri = f"models:/{name}/{mv.version}/{CARD_FILE}"
