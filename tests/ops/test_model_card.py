@@ -122,6 +122,7 @@ def test_the_cli_prints_the_card(
     err = capsys.readouterr().err
     assert "no alias 'champion'" in err and "registry show diffusion-gr2 --card VERSION_OR_ALIAS" in err
     registry.promote(registry.DIFFUSION_MODEL, ref.version, "test")
+    capsys.readouterr()  # the promotion's log line
     assert ops(["registry", "show", "--card"]) == 0
     out = capsys.readouterr().out
     assert out.startswith(f"# Model card: diffusion-gr2 version {ref.version}")
