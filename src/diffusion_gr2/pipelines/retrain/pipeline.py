@@ -18,6 +18,8 @@ from kedro.pipeline import Node, Pipeline
 
 from diffusion_gr2.core.rank.rerank import SERVED_DIFFUSION
 from diffusion_gr2.pipelines import TRAINING_STAGES
+from diffusion_gr2.pipelines.distill.pipeline import ROUNDS as DISTILL_ROUNDS
+from diffusion_gr2.pipelines.distill.pipeline import round_names
 
 from .decision import DECISION, DECISION_NODE, after_decision, decide_retrain
 from .nodes import (
@@ -79,9 +81,8 @@ BUDGETED_NODES = (
     "train_cft",
     "train_opd",
     "train_diffusion_rl",
-    "train_distilled",
-    "train_distilled_round2",
-    "train_distilled_round3",
+    # every distillation round's training node (their count is the distill pipeline's)
+    *(f"train_distilled{round_names(k)['suffix']}" for k in range(1, DISTILL_ROUNDS + 1)),
 )
 
 
