@@ -37,7 +37,13 @@ import pandas as pd
 import torch
 from transformers import AutoTokenizer
 
-from diffusion_gr2.core.evaluate.metrics import paired_bootstrap, system_metrics, user_values
+from diffusion_gr2.core.evaluate.metrics import (
+    paired_bootstrap,
+    prompt_contexts,
+    reasoning_values,
+    system_metrics,
+    user_values,
+)
 from diffusion_gr2.core.model.factory import load_model
 from diffusion_gr2.core.rank.rerank import (
     SID_SCOPES,
@@ -66,6 +72,9 @@ def main() -> None:
         "--cite", nargs="+", default=["off"], choices=["off", "on"], help="explanation cites prompt SIDs only"
     )
     parser.add_argument(
+        "--repeat-gate", nargs="+", default=["off"], choices=["off", "on"], help="DecodeConfig.repeat_gate"
+    )
+    parser.add_argument(
         "--sid-taus", nargs="+", type=float, default=[0.0], help="tau for SID codes (0 = the tau itself)"
     )
     parser.add_argument(
@@ -89,6 +98,7 @@ def main() -> None:
     grammars = request_grammars(tokenizer, requests)
     cited = request_grammars(tokenizer, requests, cite_prompt_sids=True) if "on" in args.cite else None
     config = RerankConfig(max_new_tokens=192, batch_size=args.batch_size)
+    contexts = prompt_contexts(requests, tokenizer.decode)
     rows = []
     firsts: dict[tuple[str, float | None], np.ndarray] = {}  # each (system, tau)'s first variant's hits
     ref_hits = None
@@ -100,9 +110,9 @@ def main() -> None:
         print(f"{args.reference}: R@1 {ref_hits.mean():.3f}")
     print(f"{len(requests)} {args.split} requests, {torch.get_num_threads()} threads")
     print(
-        f"{'system':6s} {'tau':>4s} {'win':>3s} {'mode':8s} {'jump':>4s} {'copy':>4s} {'cite':>4s} {'sid':>9s} "
+        f"{'system':6s} {'tau':>4s} {'win':>3s} {'mode':8s} {'jump':>4s} {'copy':>4s} {'cite':>4s} {'sid':>9s} {'rep':>4s} "
         f"{'R@1':>6s} "
-        f"{'vs first [95%]':>22s} {'own valid':>9s} {'tok/fwd':>7s} {'tok/s':>6s}"
+        f"{'vs first [95%]':>22s} {'own valid':>9s} {'tok/fwd':>7s} {'tok/s':>6s} {'grounded':>8s}"
     )
     for system in args.systems:
         model = load_model(args.models / system).eval()
@@ -113,8 +123,8 @@ def main() -> None:
                 sid_taus = args.sid_taus if diffusion else [0.0]
                 # a scope matters only where there is a SID tau
                 sids = [(t, scope) for t in sid_taus for scope in (args.sid_scopes if t else ["answer"])]
-                for mode, jump, copy, cite, (sid_tau, scope) in itertools.product(
-                    modes, args.jump, copies, args.cite, sids
+                for mode, jump, copy, cite, (sid_tau, scope), gate in itertools.product(
+                    modes, args.jump, copies, args.cite, sids, args.repeat_gate
                 ):
                     sid_config = dataclasses.replace(config, sid_threshold=sid_tau or None, sid_scope=scope)
                     cfg = decode_config_for(model, tokenizer, tau, sid_config, window=window or None)
@@ -124,6 +134,7 @@ def main() -> None:
                         jump_forward=jump == "on",
                         copy_drafts=copy == "on",
                         draft_tokens=args.draft_tokens,
+                        repeat_gate=gate == "on",
                     )
                     served = cited if cite == "on" else grammars
                     frame = rerank(model, requests, tokenizer, cfg, system, tau, served, args.split)
@@ -136,6 +147,7 @@ def main() -> None:
                         diff = paired_bootstrap(hits, first, groups=users)
                     vs_ref = None if ref_hits is None else paired_bootstrap(hits, ref_hits, groups=users)
                     tokens = int(frame["output_tokens"].sum())
+                    grounded = reasoning_values(frame, contexts, len)["grounded_rate"].mean()
                     row = {
                         "system": system,
                         "tau": tau,
@@ -146,6 +158,7 @@ def main() -> None:
                         "cite_prompt_sids": cite == "on",
                         "sid_threshold": sid_tau or None,
                         "sid_scope": scope,
+                        "repeat_gate": gate == "on",
                         "n": len(frame),
                         "recall@1": metrics["recall@1"],
                         "recall@1_ci": metrics["ci"]["recall@1"],
@@ -154,6 +167,7 @@ def main() -> None:
                         if vs_ref is None
                         else [vs_ref.mean_diff, vs_ref.low, vs_ref.high],
                         "unforced_rate": metrics["unforced_rate"],
+                        "grounded_rate": float(grounded),
                         "tokens_per_forward": tokens / int(frame["nfe"].sum()),
                         "tokens_per_s": tokens / frame.attrs["decode_s"],
                     }
@@ -163,9 +177,9 @@ def main() -> None:
                         vs += f"  vs {args.reference} {vs_ref.mean_diff:+.3f} [{vs_ref.low:+.3f}, {vs_ref.high:+.3f}]"
                     print(
                         f"{system:6s} {'AR' if tau is None else f'{tau:g}':>4s} {window or '-':>3} {mode:8s} "
-                        f"{jump:>4s} {copy:>4s} {cite:>4s} {f'{sid_tau:g} {scope}' if sid_tau else '-':>9} "
+                        f"{jump:>4s} {copy:>4s} {cite:>4s} {f'{sid_tau:g} {scope}' if sid_tau else '-':>9} {gate:>4s} "
                         f"{row['recall@1']:6.3f} {vs:>22s} {row['unforced_rate']:9.1%} "
-                        f"{row['tokens_per_forward']:7.2f} {row['tokens_per_s']:6.0f}"
+                        f"{row['tokens_per_forward']:7.2f} {row['tokens_per_s']:6.0f} {grounded:8.1%}"
                     )
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -10,6 +11,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel
 
 from diffusion_gr2.core.decode import runner as decode_runner
 from diffusion_gr2.core.decode.commit import commit_mask as _commit_mask
+from diffusion_gr2.core.decode.commit import repeat_gated
 from diffusion_gr2.core.decode.decoder import DecodeConfig, DecodeOutput, decode, left_pad_prompts
 from diffusion_gr2.core.decode.kv_cache import BufferLayer
 from diffusion_gr2.core.decode.runner import CachedRunner as _CachedRunner
@@ -239,6 +241,31 @@ def test_sid_threshold_holds_only_after_its_marker(model: PreTrainedModel, promp
         assert s.tokens[:end] == p.tokens[:end] and s.commit_steps[:end] == p.commit_steps[:end]
         assert not _codes_ride_along(s, codes, 8, start=end)
     assert _codes_ride_along(plain[0], codes, 8, start=10)  # plain's do there: the check above can fail
+
+
+def _parallel_repeats(out: DecodeOutput, k: int) -> int:
+    """Adjacent equal tokens of one block committed by the same forward (the step cap's fill aside)."""
+    steps, tokens = out.commit_steps, out.tokens
+    return sum(
+        i // k == (i + 1) // k and steps[i] == steps[i + 1] < k and tokens[i] == tokens[i + 1]
+        for i in range(len(tokens) - 1)
+    )
+
+
+def test_repeat_gate_commits_no_repeat_in_parallel(model: PreTrainedModel, prompts: list[list[int]]) -> None:
+    cfg = DecodeConfig(block_size=8, threshold=0.0, max_new_tokens=24, mask_token_id=MASK, repeat_gate=False)
+    plain = decode(model, prompts, cfg)
+    assert sum(_parallel_repeats(o, 8) for o in plain) > 0  # the check below can fail
+    gated = decode(model, prompts, dataclasses.replace(cfg, repeat_gate=True))
+    assert sum(_parallel_repeats(o, 8) for o in gated) == 0
+    assert sum(o.nfe for o in gated) > sum(o.nfe for o in plain)
+
+
+def test_repeat_gated_leaves_a_due_repeat_alone() -> None:
+    conf = [-0.1, -0.2, -0.3, -0.4]
+    # position 2 repeats position 1, both open: unconfident; position 1 repeats position 0, which
+    # was written before this forward (not open): it keeps its confidence
+    assert repeat_gated(conf, [5, 5, 5, 7], [False, True, True, True]) == [-0.1, -0.2, -math.inf, -0.4]
 
 
 @pytest.mark.parametrize(("fused", "nfe"), [(True, 2 + 2), (False, 1 + 2 + 1 + 2)])

@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from diffusion_gr2.core.evaluate.metrics import cited_sids
 from diffusion_gr2.core.model.diffusion import response_logits
 from diffusion_gr2.core.rank.rerank import RerankConfig
 from diffusion_gr2.core.train.loop import TrainConfig, move_to, train
@@ -23,6 +24,7 @@ from diffusion_gr2.core.train.trajectory import (
     EXAMPLE_COLUMNS,
     TRAJECTORY_COLUMNS,
     TrajectoryConfig,
+    grounded,
     kept_trajectories,
     record_trajectories,
     self_training_examples,
@@ -276,3 +278,19 @@ def test_distillation_resumes_exactly_after_a_crash(task: dict, recorded, tmp_pa
     assert result.resumed_from == 2
     for a, b in zip(ref.state_dict().values(), resumed.state_dict().values(), strict=True):
         torch.testing.assert_close(a, b, atol=0, rtol=0)
+
+
+def test_an_explanation_citing_a_sid_its_prompt_lacks_is_ungrounded(task: dict) -> None:  # noqa: F811
+    tok, requests = task["tokenizer"], task["requests"]
+    request = next(requests.itertuples(index=False))
+    shown = set(cited_sids(tok.decode([int(t) for t in request.prompt_ids])))
+    foreign = next(str(s) for sids in requests["candidate_sids"] for s in sids if str(s) not in shown)
+    cited = str(request.candidate_sids[0])
+    assert cited in shown
+
+    def answer(sid: str) -> list[int]:
+        text = f'{{"explanation":"Pick {sid} first.","recommendations":["{foreign}"]}}'
+        return tok.encode(text, add_special_tokens=False)
+
+    assert grounded(tok, answer(cited), request)  # the list is not the explanation's business
+    assert not grounded(tok, answer(foreign), request)

@@ -33,6 +33,7 @@ __all__ = [
     "gate_start",
     "leftmost_masked",
     "needs_step",
+    "repeat_gated",
     "sid_gated",
 ]
 
@@ -113,6 +114,17 @@ def sid_gated(
     return [
         -math.inf if j >= start and t in sid_ids and c <= log_tau else c
         for j, (c, t) in enumerate(zip(conf, tokens, strict=True))
+    ]
+
+
+def repeat_gated(conf: list[float], tokens: Sequence[int], cand: Sequence[bool]) -> list[float]:
+    """`conf` with every choice equal to its left neighbour's, both open in this forward, made
+    unconfident: it commits only when due, with the neighbour then written on the canvas. Each
+    masked position is predicted on its own, so two of them can both take the token one of them
+    should write ("listed listed", a SID entry written twice); seen committed, the model decides."""
+    return [
+        -math.inf if j > 0 and cand[j] and cand[j - 1] and tokens[j] == tokens[j - 1] else c
+        for j, c in enumerate(conf)
     ]
 
 

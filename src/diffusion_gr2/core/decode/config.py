@@ -77,6 +77,10 @@ class DecodeConfig:
     # The SID threshold holds only after this token sequence (the ranking list's key,
     # `grammar_tokens.list_key_ids`): the explanation's cited SIDs keep `threshold`. Empty = everywhere.
     sid_after: tuple[int, ...] = ()
+    # Block diffusion: a choice equal to its left neighbour's, both masked when the forward ran, does
+    # not join the step's parallel commits (`commit.repeat_gated`): a repeat committed in parallel is
+    # where free answers stutter.
+    repeat_gate: bool = True
     # The static step (`static.py`): a KV cache allocated once for the prompt and the longest answer,
     # attention over all of it under a key mask, a fixed query width per step kind; the same tokens
     # (tests/core/decode/test_static.py). Opt-in: on the CPU it is slower (it attends to dead keys).

@@ -16,7 +16,15 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from diffusion_gr2.core.decode.commit import choose, commit_mask, fed_width, gate_start, needs_step, sid_gated
+from diffusion_gr2.core.decode.commit import (
+    choose,
+    commit_mask,
+    fed_width,
+    gate_start,
+    needs_step,
+    repeat_gated,
+    sid_gated,
+)
 from diffusion_gr2.core.decode.constrain import Step, constrain_commits
 from diffusion_gr2.core.decode.drafters import CopyDrafter, agreed, verified_drafts
 from diffusion_gr2.core.decode.state import Batch, Block
@@ -116,6 +124,8 @@ def _picks(
         if cfg.sid_threshold is not None:
             start = _gate_start(st, blk, r, lo, tokens[i])
             conf = sid_gated(conf, tokens[i], cfg.sid_threshold, cfg.sid_token_ids, start)
+        if cfg.repeat_gate:
+            conf = repeat_gated(conf, tokens[i], cand)
         # constrained rows make their run in the constraint walk (it may extend it)
         cut = st.constraint(r) is None
         pick = commit_mask(cand, conf, cfg.threshold, fill, cfg.commit_rule, cut=cut)

@@ -125,6 +125,9 @@ class RerankConfig:
     # Where the SID threshold holds: "answer" (every SID code) or "list" (the ranking list only: the
     # explanation's cited SIDs keep tau; DecodeConfig.sid_after).
     sid_scope: str = "answer"
+    # Diffusion systems: a token equal to its left neighbour's, both chosen in one forward, is not
+    # committed beside it (DecodeConfig.repeat_gate).
+    repeat_gate: bool = True
     # The static decode step (core/decode/static.py: fixed shapes, the same tokens; slower on the CPU)
     # and, with it on CUDA, its steps captured as CUDA graphs and replayed. Off: unmeasured on a GPU.
     static_cache: bool = DecodeConfig.static_cache
@@ -201,6 +204,7 @@ def decode_config_for(
         sid_threshold=config.sid_threshold if block_size > 1 else None,
         sid_token_ids=sid_token_ids(tokenizer) if sid_gated else frozenset(),
         sid_after=list_key_ids(tokenizer) if sid_gated and config.sid_scope == "list" else (),
+        repeat_gate=config.repeat_gate and block_size > 1,
         static_cache=config.static_cache,
         cuda_graphs=config.cuda_graphs,
     )

@@ -217,6 +217,9 @@ class RolloutConfig:
     # block diffusion: the tau a SID code must clear to join a forward's parallel commits, as served
     # (`RerankConfig.sid_threshold`; None = `threshold` everywhere)
     sid_threshold: float | None = None
+    # block diffusion: the repeat gate (`RerankConfig.repeat_gate`). Off: RL and OPD were measured
+    # without it; distillation's recording, inference and the benchmark decode with it
+    repeat_gate: bool = False
     # as at inference: rollouts decode the way the model is served
     commit_rule: str = DecodeConfig.commit_rule
     max_new_tokens: int = 192
@@ -259,6 +262,7 @@ def rollout_decode_config(
         batch_size=64,
         commit_rule=config.commit_rule,
         sid_threshold=config.sid_threshold,
+        repeat_gate=config.repeat_gate,
     )
     tau = config.threshold if block_size > 1 else None
     return decode_config_for(

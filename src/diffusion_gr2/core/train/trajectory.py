@@ -38,6 +38,7 @@ import numpy as np
 import pandas as pd
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from diffusion_gr2.core.evaluate.metrics import cited_sids, explanation_of
 from diffusion_gr2.core.rank.rerank import (
     RerankConfig,
     decode_config_for,
@@ -54,6 +55,7 @@ __all__ = [
     "TRAJECTORY_COLUMNS",
     "TrajectoryConfig",
     "kept_trajectories",
+    "grounded",
     "parsed_answer",
     "record_trajectories",
     "self_training_examples",
@@ -82,6 +84,9 @@ class TrajectoryConfig:
     tau: float | None = 0.75  # commit threshold of the recorded decodes: the served candidate's; None = AR
     requests: int | None = 1024  # training requests decoded (a seeded sample); None = every one
     max_target_rank: int = 10  # keep an answer only if it ranks the target at most here (10: any valid)
+    # keep an answer only if every SID its explanation cites is one its prompt shows (the evaluation's
+    # `grounded_rate`); the list's validity does not check the explanation
+    grounded: bool = True
     seed: int = 0
     # True: under the served answer grammar; False: free decodes, the model's own answers (an invalid
     # one is set aside, so what is kept is valid without the grammar's help)
@@ -125,6 +130,8 @@ def record_trajectories(
         reason = (
             f"invalid:{parsed.reason}"
             if not parsed.valid
+            else "ungrounded"
+            if config.grounded and not grounded(tokenizer, out.tokens, req)
             else ""
             if 0 < rank <= config.max_target_rank
             else f"target_rank>{config.max_target_rank}"
@@ -157,6 +164,13 @@ def parsed_answer(
     target = sids[[int(i) for i in request.candidates].index(int(request.target))]
     rank = parsed.ranking.index(target) + 1 if parsed.valid and target in parsed.ranking else 0
     return parsed, rank
+
+
+def grounded(tokenizer: PreTrainedTokenizerBase, tokens: Sequence[int], request: Any) -> bool:
+    """Whether every SID the answer's explanation cites is one `request`'s prompt shows (history or
+    candidates): what the evaluation's `grounded_rate` counts."""
+    shown = set(cited_sids(tokenizer.decode([int(t) for t in request.prompt_ids])))
+    return all(sid in shown for sid in cited_sids(explanation_of(decode_response(tokenizer, tokens)) or ""))
 
 
 EXAMPLE_COLUMNS = ["prompt_ids", "response_ids", "response_roles"]
