@@ -64,7 +64,8 @@ def _rerank(**kw: Any) -> RerankConfig:
     """The case's settings; the SID gate and the repeat gate off unless the case names them (`served`):
     the recorded outputs predate the repeat gate, which tests/core/decode/test_decoder.py covers."""
     return RerankConfig(
-        **{"max_new_tokens": MAX_NEW, "batch_size": N_PROMPTS, "sid_threshold": None, "repeat_gate": False} | kw
+        **{"max_new_tokens": MAX_NEW, "batch_size": N_PROMPTS, "sid_threshold": None, "repeat_gate": False}
+        | kw
     )
 
 
