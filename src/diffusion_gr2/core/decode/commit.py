@@ -15,6 +15,13 @@ the grammar inside the recommendations, as a foreign or repeated ID), so a stric
 validity at little speed (docs/experiments.md#sid-threshold). With `sid_after` (the ranking list's
 key) it holds in the ranking list only and the explanation's cited SIDs keep `tau`: more tokens per
 forward, fewer answers the model's own (docs/experiments.md#sid-threshold-scope).
+
+Repeat gate (`DecodeConfig.repeat_gate`, any rule): a choice equal to its left neighbour's, both
+masked when the forward ran, does not ride along; the next forward decides it with the neighbour
+written. Each masked position is predicted on its own, so two can take the token one of them should
+write: nearly every adjacent repeat in recorded free decodes was committed by one forward ("listed
+listed", `","","`), and half the first slips of invalid answers rode along in a parallel commit
+(docs/experiments.md#repeats-and-citations).
 """
 
 from __future__ import annotations

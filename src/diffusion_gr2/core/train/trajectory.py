@@ -11,7 +11,9 @@ distillation). What it is taught here, from its own served decodes on training r
 * **certainty** (dParallel's certainty forcing, LLaDA 2.0's CAP): the entropy of positions already
   predicted right is lowered (`losses.certainty_penalty`), so they clear tau sooner;
 * **only answers worth copying** (rejection sampling, as the traces stage keeps teacher traces): a
-  decode is kept when its answer is valid and ranks the request's target within `max_target_rank`.
+  decode is kept when its answer is valid, ranks the request's target within `max_target_rank` and
+  (`grounded`) its explanation cites only SIDs its prompt shows: validity checks the list alone, and
+  rounds that kept ungrounded explanations taught the model to cite items that do not exist.
   Decoded free by default (`grammar` off; jump-forward and the SID threshold as served): an answer is
   kept only when the model wrote it valid on its own (expert iteration's rule). That raised own
   validity more than decoding under the grammar, whose corrections become targets but whose canvases
