@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from diffusion_gr2.core.evaluate.metrics import cited_sids
 from diffusion_gr2.core.model.diffusion import response_logits
 from diffusion_gr2.core.rank.rerank import RerankConfig
+from diffusion_gr2.core.text.parser import parse_answer
 from diffusion_gr2.core.train.loop import TrainConfig, move_to, train
 from diffusion_gr2.core.train.losses import REASONING, cft_noise
 from diffusion_gr2.core.train.stages import (
@@ -288,9 +289,9 @@ def test_an_explanation_citing_a_sid_its_prompt_lacks_is_ungrounded(task: dict) 
     cited = str(request.candidate_sids[0])
     assert cited in shown
 
-    def answer(sid: str) -> list[int]:
+    def answer(sid: str) -> str | None:  # the explanation as the parser reads it
         text = f'{{"explanation":"Pick {sid} first.","recommendations":["{foreign}"]}}'
-        return tok.encode(text, add_special_tokens=False)
+        return parse_answer(text, [str(s) for s in request.candidate_sids]).explanation
 
     assert grounded(tok, answer(cited), request)  # the list is not the explanation's business
     assert not grounded(tok, answer(foreign), request)

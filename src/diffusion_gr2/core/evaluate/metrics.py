@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -367,6 +367,11 @@ def cited_sids(text: str) -> list[str]:
     return _SID_RUN.findall(text)
 
 
+def cites_only(explanation: str, shown: Collection[str]) -> bool:
+    """Whether every SID `explanation` cites is one of `shown` (true when it cites none)."""
+    return all(sid in shown for sid in cited_sids(explanation))
+
+
 def stated_top_pick(explanation: str, candidates: Iterable[str]) -> str | None:
     """The first SID cited in `explanation` that is one of `candidates`; None when none is cited."""
     allowed = set(candidates)
@@ -393,7 +398,7 @@ def reasoning_values(
         first = None if served is None or len(served) == 0 else context.candidate_sid.get(int(served[0]))
         out["explanation_rate"].append(float(explanation is not None))
         out["cites_rate"].append(float(bool(cited)))
-        out["grounded_rate"].append(float(bool(cited) and all(s in context.sids for s in cited)))
+        out["grounded_rate"].append(float(bool(cited) and cites_only(explanation or "", context.sids)))
         out["pick_agreement"].append(float(pick is not None and pick == first))
         out["explanation_tokens"].append(float(count_tokens(explanation)) if explanation else 0.0)
     return {name: np.asarray(values, dtype=np.float64) for name, values in out.items()}

@@ -40,7 +40,7 @@ import numpy as np
 import pandas as pd
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from diffusion_gr2.core.evaluate.metrics import cited_sids, explanation_of
+from diffusion_gr2.core.evaluate.metrics import cited_sids, cites_only
 from diffusion_gr2.core.rank.rerank import (
     RerankConfig,
     decode_config_for,
@@ -56,8 +56,8 @@ __all__ = [
     "EXAMPLE_COLUMNS",
     "TRAJECTORY_COLUMNS",
     "TrajectoryConfig",
-    "kept_trajectories",
     "grounded",
+    "kept_trajectories",
     "parsed_answer",
     "record_trajectories",
     "self_training_examples",
@@ -133,7 +133,7 @@ def record_trajectories(
             f"invalid:{parsed.reason}"
             if not parsed.valid
             else "ungrounded"
-            if config.grounded and not grounded(tokenizer, out.tokens, req)
+            if config.grounded and not grounded(tokenizer, parsed.explanation, req)
             else ""
             if 0 < rank <= config.max_target_rank
             else f"target_rank>{config.max_target_rank}"
@@ -168,11 +168,11 @@ def parsed_answer(
     return parsed, rank
 
 
-def grounded(tokenizer: PreTrainedTokenizerBase, tokens: Sequence[int], request: Any) -> bool:
-    """Whether every SID the answer's explanation cites is one `request`'s prompt shows (history or
-    candidates): what the evaluation's `grounded_rate` counts."""
+def grounded(tokenizer: PreTrainedTokenizerBase, explanation: str | None, request: Any) -> bool:
+    """Whether every SID an answer's explanation (the parser's) cites is one `request`'s prompt shows
+    (history or candidates): the evaluation's `grounded_rate` test, which also asks for a citation."""
     shown = set(cited_sids(tokenizer.decode([int(t) for t in request.prompt_ids])))
-    return all(sid in shown for sid in cited_sids(explanation_of(decode_response(tokenizer, tokens)) or ""))
+    return cites_only(explanation or "", shown)
 
 
 EXAMPLE_COLUMNS = ["prompt_ids", "response_ids", "response_roles"]
