@@ -10,6 +10,7 @@ import torch
 
 from diffusion_gr2.core.decode.replay import replay_batch_logits
 from diffusion_gr2.core.model.diffusion import response_logits
+from diffusion_gr2.core.rank.rerank import RerankConfig, decode_config_for
 from diffusion_gr2.core.text.examples import encode_requests, encode_sft
 from diffusion_gr2.core.text.prompt import ItemLookup, PromptConfig
 from diffusion_gr2.core.text.tokenizer import build_tokenizer
@@ -150,7 +151,16 @@ def test_rollouts_are_scored_and_replayed(task: dict, block_size: int, rule: str
     tok = task["tokenizer"]
     model = policy_model(tok, block_size)
     config = RolloutConfig(group_size=2, max_new_tokens=24, threshold=0.5, commit_rule=rule)
-    assert rollout_decode_config(model, tok, config, seed=0).commit_rule == rule  # rollouts decode as served
+    decoding = rollout_decode_config(model, tok, config, seed=0)
+    # rollouts decode as served: the commit rule, and for diffusion the SID threshold and repeat gate
+    served = decode_config_for(model, tok, config.threshold if block_size > 1 else None, RerankConfig())
+    assert decoding.commit_rule == rule
+    assert (decoding.sid_threshold, decoding.sid_token_ids, decoding.repeat_gate) == (
+        served.sid_threshold,
+        served.sid_token_ids,
+        served.repeat_gate,
+    )
+    assert decoding.repeat_gate == (block_size > 1) and (decoding.sid_threshold is not None) == (block_size > 1)
     rollouts = sample_rollouts(model, tok, task["requests"].head(2), config, seed=0)
     assert rollouts.rewards.shape == (2, 2)
     # An untrained model writes no valid JSON ranking: every reward is the invalid-output -1.

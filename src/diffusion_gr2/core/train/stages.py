@@ -216,10 +216,9 @@ class RolloutConfig:
     threshold: float = 0.9  # tau for block-diffusion rollouts
     # block diffusion: the tau a SID code must clear to join a forward's parallel commits, as served
     # (`RerankConfig.sid_threshold`; None = `threshold` everywhere)
-    sid_threshold: float | None = None
-    # block diffusion: the repeat gate (`RerankConfig.repeat_gate`). Off: RL and OPD were measured
-    # without it; distillation's recording, inference and the benchmark decode with it
-    repeat_gate: bool = False
+    sid_threshold: float | None = RerankConfig.sid_threshold
+    # block diffusion: the repeat gate, as served (`RerankConfig.repeat_gate`)
+    repeat_gate: bool = RerankConfig.repeat_gate
     # as at inference: rollouts decode the way the model is served
     commit_rule: str = DecodeConfig.commit_rule
     max_new_tokens: int = 192
