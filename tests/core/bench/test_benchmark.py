@@ -134,10 +134,14 @@ def _config(prompts, **kw) -> BenchmarkConfig:
     return BenchmarkConfig(**(base | kw))
 
 
+def _ungated(max_new: int = MAX_NEW) -> RerankConfig:
+    """No repeat gate: `forced_model` writes one token everywhere, which the gate would commit one
+    forward at a time (DecodeConfig.repeat_gate; its tests are the decoder's)."""
+    return RerankConfig(max_new_tokens=max_new, repeat_gate=False)
+
+
 def _bench(models, tokenizer, prompts, points=None, grammars=None, max_new=MAX_NEW, **kw):
-    # no repeat gate: `forced_model` writes one token everywhere, which the gate would commit one
-    # forward at a time (DecodeConfig.repeat_gate; its tests are the decoder's)
-    decoding = RerankConfig(max_new_tokens=max_new, repeat_gate=False)
+    decoding = _ungated(max_new)
     config = _config(prompts, **kw)
     return run_benchmark(
         models, prompts, tokenizer, decoding, config, TickingClock(), grammars, operating_points=points
@@ -195,9 +199,7 @@ def test_rows_have_exactly_the_keys_and_each_system_its_operating_point(world) -
     assert [r["backend"] for r in result.rows] == ["lean", "lean", "eager", "eager", "lean", "lean"]
     assert all(r["device"].startswith("cpu") for r in result.rows)
     cft = _row(result.rows, "cft")
-    cfg = decode_config_for(
-        models["cft"], tokenizer, 0.6, RerankConfig(max_new_tokens=MAX_NEW, repeat_gate=False)
-    )
+    cfg = decode_config_for(models["cft"], tokenizer, 0.6, _ungated())
     direct = decode(models["cft"], prompts, dataclasses.replace(cfg, window=2))  # the window is passed on
     assert cft["nfe_per_sample"] == sum(o.nfe for o in direct) / len(direct)
     whole = decode(models["cft"], prompts, cfg)

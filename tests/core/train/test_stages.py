@@ -160,9 +160,7 @@ def test_rollouts_are_scored_and_replayed(task: dict, block_size: int, rule: str
         served.sid_token_ids,
         served.repeat_gate,
     )
-    assert decoding.repeat_gate == (block_size > 1) and (decoding.sid_threshold is not None) == (
-        block_size > 1
-    )
+    assert decoding.repeat_gate == (decoding.sid_threshold is not None) == (block_size > 1)
     rollouts = sample_rollouts(model, tok, task["requests"].head(2), config, seed=0)
     assert rollouts.rewards.shape == (2, 2)
     # An untrained model writes no valid JSON ranking: every reward is the invalid-output -1.
