@@ -1,5 +1,6 @@
 """inference nodes: the tau sweep decodes the first `sweep_max_requests` test requests, the rest all;
-on validation the systems that choose nothing decode the first `sweep_max_requests` too."""
+on validation the systems of `valid_sweep` (which choose nothing) decode the first
+`sweep_max_requests` too, the other systems that choose nothing none."""
 
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ def _params(sweep_max_requests: int | None) -> dict[str, Any]:
         "splits": ["valid", "test"],
         "max_requests": None,
         "sweep_max_requests": sweep_max_requests,
+        "valid_sweep": ["cft"],
         "taus": [0.9, 0.5],
         "taus_by_system": {},
         "operating_point": {  # every key (no defaults in code): no floors, the least timing
@@ -67,9 +69,12 @@ def test_sweep_cap_applies_to_the_sweep_rows_only(world) -> None:
     assert served["operating_point"]["tau"] == 0.5 and swept["operating_point"] is None
     floor = rerank_prerank(requests, params)
     assert _n_by_pass(floor) == _n_by_pass(ar) == {("valid", None): N_USERS, ("test", None): N_USERS}
-    # ar_sft is not the reference the headline pairs with: capped like the sweep, on both splits
+    # ar_sft is not the reference the headline pairs with: capped like the sweep on test, and not in
+    # valid_sweep: no validation rows
     sft = make_rerank_node("ar_sft")(tiny_model_for(tokenizer), requests, tokenizer, params)
-    assert _n_by_pass(sft) == {("valid", None): CAP, ("test", None): CAP}
+    assert _n_by_pass(sft) == {("test", None): CAP}
+    opd = make_rerank_node("opd")(diffusion, requests, tokenizer, params, ar, ar_model)
+    assert _n_by_pass(opd["rankings"]) == {("test", 0.9): CAP, ("test", 0.5): CAP}
     # rl: its candidate (tau 0.5) on every validation request, paired with ar_rl's; on test tau 0.9
     # is sweep (capped), tau 0.5 its served operating point (every request)
     assert _n_by_pass(served["rankings"]) == {
@@ -77,7 +82,7 @@ def test_sweep_cap_applies_to_the_sweep_rows_only(world) -> None:
         ("test", 0.9): CAP,
         ("test", 0.5): N_USERS,
     }
-    # cft chooses and serves nothing: its validation and test sweeps are capped
+    # cft chooses and serves nothing, and is in valid_sweep: its validation and test sweeps are capped
     assert _n_by_pass(swept["rankings"]) == {
         ("valid", 0.9): CAP,
         ("valid", 0.5): CAP,

@@ -119,6 +119,7 @@ INFERENCE: dict[str, Any] = {  # `inference` as the nodes read it: every key, no
     "splits": ["valid", "test"],
     "max_requests": None,
     "sweep_max_requests": 2,
+    "valid_sweep": ["rl"],
     "taus": [0.9, 0.5],
     "taus_by_system": {},
     "operating_point": {

@@ -4,7 +4,9 @@ A diffusion system named in `operating_point.systems` chooses its operating poin
 one core call (`core/rank/point_search.py::search_operating_point`: decode the candidates, pair
 them with `ar_rl`, gate, time the admitted in the harness, choose) and gets back its validation rows
 and the record `operating_point.json` holds; the choosing systems and `ar_rl` decode every
-validation request, the others (which choose nothing) the first `sweep_max_requests`. Test is
+validation request, the systems of `valid_sweep` (which choose nothing: `rl`, the comparison before
+distillation) the first `sweep_max_requests`, and the others none (their rows would choose nothing
+and report what their test rows report). Test is
 decoded at every tau of the sweep and at that operating point, never used to choose. On test, the
 pre-rank, the reference AR system (`ar_rl`) and each served operating point answer every request;
 `ar_sft` and the rest of the tau sweep answer the first `sweep_max_requests` (decoding is the run's
@@ -44,10 +46,13 @@ def _split_requests(requests: pd.DataFrame, params: dict[str, Any], split: str) 
 def _valid_cap(system: str, params: dict[str, Any], config: OperatingPointConfig) -> int | None:
     """Validation requests `system` decodes: all for a system that chooses its operating point there
     and for the reference (`ar_rl`), the pair whose interval decides; the first `sweep_max_requests`
-    (in `select_requests` order, so they pair with the full passes) for the rest, which choose nothing.
+    (in `select_requests` order, so they pair with the full passes) for a system of `valid_sweep`,
+    which chooses nothing; 0 for the rest.
     """
     if config.chooses(system) or system == config.reference:
         return None
+    if system not in params["valid_sweep"]:
+        return 0
     return params["sweep_max_requests"]
 
 
@@ -114,8 +119,7 @@ def make_rerank_node(system: str) -> Callable[..., pd.DataFrame | dict[str, Any]
                 )
                 frames.append(found.rows)
                 operating_point = found.point
-            else:
-                cap = _valid_cap(system, params, config)
+            elif (cap := _valid_cap(system, params, config)) != 0:
                 rows = valid if cap is None else valid.head(int(cap))
                 frames.append(
                     rerank_system(model, rows, tokenizer, system, _sweep(params, system), decoding, "valid")[
