@@ -26,6 +26,7 @@ from tests.core.rank.world import make_world
 
 N_USERS, SMOKE_USERS, SMOKE_TAUS = 10, 8, [0.9]  # smoke params: max_users 8, taus [0.9]
 OPERATING_POINT_SYSTEMS = ("distilled",)  # base (smoke inherits): inference.operating_point.systems
+VALID_SWEEP = ("rl",)  # base (smoke inherits): inference.valid_sweep
 
 
 def _catalog(project: Path) -> dict[str, dict]:
@@ -71,7 +72,9 @@ def test_rankings_hold_every_system_and_tau(evaluation_run: Path) -> None:
     sweep = [(s, None, None) for s in ("prerank", *AR_SYSTEMS)] + [
         (s, t, None) for s in DIFFUSION_SYSTEMS for t in SMOKE_TAUS
     ]
-    expected = [("valid", *v) for v in sweep] + [("test", *v) for v in sweep]
+    # validation: the pre-rank, the reference, the choosing systems and valid_sweep; test: every one
+    on_valid = {"prerank", "ar_rl", *OPERATING_POINT_SYSTEMS, *VALID_SWEEP}
+    expected = [("valid", *v) for v in sweep if v[0] in on_valid] + [("test", *v) for v in sweep]
     for system in OPERATING_POINT_SYSTEMS:
         point = points[system]
         chosen = (point["tau"], point["window"])

@@ -30,6 +30,7 @@ from diffusion_gr2.core.rank.point_search import (
 )
 from diffusion_gr2.core.rank.rerank import (
     AR_SYSTEMS,
+    RANKING_COLUMNS,
     RerankConfig,
     prepare_model,
     prerank_rows,
@@ -131,7 +132,10 @@ def make_rerank_node(system: str) -> Callable[..., pd.DataFrame | dict[str, Any]
             for settings, cap in _test_passes(system, params, config, operating_point):
                 rows = test if cap is None else test.head(int(cap))
                 frames.append(rerank_system(model, rows, tokenizer, system, settings, decoding, "test")[0])
-        rankings = pd.concat(frames, ignore_index=True)
+        # No pass at all: validation alone, for a system that neither chooses nor is swept there.
+        rankings = (
+            pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=list(RANKING_COLUMNS))
+        )
         return (
             rankings if system in AR_SYSTEMS else {"rankings": rankings, "operating_point": operating_point}
         )
