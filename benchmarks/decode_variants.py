@@ -167,6 +167,7 @@ def main() -> None:
                         if vs_ref is None
                         else [vs_ref.mean_diff, vs_ref.low, vs_ref.high],
                         "unforced_rate": metrics["unforced_rate"],
+                        "prerank_copy_rate": metrics["prerank_copy_rate"],
                         "grounded_rate": float(grounded),
                         "tokens_per_forward": tokens / int(frame["nfe"].sum()),
                         "tokens_per_s": tokens / frame.attrs["decode_s"],

@@ -93,6 +93,23 @@ def test_own_answers_from_a_free_pass_decide_the_unforced_metrics() -> None:
     assert out["recall@1_unforced"] == pytest.approx(1 / 2)  # row 1 by its own answer, row 2 pre-rank misses
 
 
+def test_prerank_copy_rate_counts_own_valid_answers_that_keep_the_prerank_order() -> None:
+    base = {"target": 10, "prerank": [10, 11, 12], "valid": True}
+    rows = [
+        base | {"ranking": [10, 11, 12], "unforced": True, "unforced_ranking": [10, 11, 12]},  # a copy
+        base | {"ranking": [10, 11, 12], "unforced": True, "unforced_ranking": [11, 10, 12]},  # re-ranked
+        base | {"ranking": [10, 11, 12], "unforced": False, "unforced_ranking": []},  # own answer invalid
+        base | {"ranking": [12, 11, 10], "forced": 0},  # no free pass: the served answer is its own
+    ]
+    assert M.system_metrics(rows, n_boot=10)["prerank_copy_rate"] == pytest.approx(1 / 4)
+    rows[3]["ranking"] = [10, 11, 12]
+    assert M.system_metrics(rows, n_boot=10)["prerank_copy_rate"] == pytest.approx(2 / 4)
+    rows[3]["forced"] = 1  # the grammar wrote part of it: not the model's own
+    assert M.system_metrics(rows, n_boot=10)["prerank_copy_rate"] == pytest.approx(1 / 4)
+    no_prerank = [{k: v for k, v in rows[0].items() if k != "prerank"}]
+    assert M.system_metrics(no_prerank, n_boot=10)["prerank_copy_rate"] == 0.0
+
+
 def test_missing_ranking_falls_back_to_prerank() -> None:
     rows = [{"target": 12, "ranking": None, "prerank": PRE, "valid": False}]
     out = M.system_metrics(rows, n_boot=10)

@@ -56,6 +56,7 @@ METRICS = (
     "unforced_rate",
     "fallback_rate",
     "recall@1_unforced",
+    "prerank_copy_rate",
 )
 # What identifies a request (docs/evaluation.md): a user asked at one held-out time point of a split.
 # Systems are paired on it; a user alone is not enough once a user has several test points.
@@ -126,6 +127,10 @@ def user_values(frame: pd.DataFrame | Iterable[Mapping[str, Any]]) -> dict[str, 
     It is not free decoding's R@1: the grammar is stricter than the parser (key order, spacing,
     escapes), so an answer it rejects may still have parsed, and free decoding would serve that
     ranking, better or worse than the pre-rank. On every other row the two policies agree.
+    ``prerank_copy_rate`` is the share of rows whose own answer is valid and lists the candidates in
+    the pre-rank's order, unchanged: a re-ranker that wrote a valid list without re-ranking it (the
+    pre-rank itself: 1). A model can raise its own valid rate by copying the list it is shown; this
+    says how much of that rate re-ranks nothing.
     """
     rows = _rows(frame)
     ranks = np.array([target_rank(_final_ranking(r), r["target"]) for r in rows], dtype=np.int64)
@@ -146,6 +151,16 @@ def user_values(frame: pd.DataFrame | Iterable[Mapping[str, Any]]) -> dict[str, 
         ],
         dtype=np.int64,
     )
+    copies = np.array(
+        [
+            ok
+            and _same_order(
+                r["unforced_ranking"] if "unforced_ranking" in r else _final_ranking(r), r.get("prerank")
+            )
+            for ok, r in zip(unforced, rows, strict=True)
+        ],
+        dtype=np.float64,
+    )
     return {
         "recall@1": recall_at_k(ranks, 1),
         "recall@3": recall_at_k(ranks, 3),
@@ -157,7 +172,15 @@ def user_values(frame: pd.DataFrame | Iterable[Mapping[str, Any]]) -> dict[str, 
         "unforced_rate": unforced,
         "fallback_rate": 1.0 - valid,
         "recall@1_unforced": recall_at_k(unforced_ranks, 1),
+        "prerank_copy_rate": copies,
     }
+
+
+def _same_order(ranking: Any, prerank: Any) -> bool:
+    """Whether a ranking lists exactly the pre-rank's items in the pre-rank's order (False without one)."""
+    if ranking is None or prerank is None or isinstance(ranking, str) or len(prerank) == 0:
+        return False
+    return [int(i) for i in ranking] == [int(i) for i in prerank]
 
 
 def own_valid_flags(rows: pd.DataFrame) -> pd.Series:

@@ -176,7 +176,9 @@ def metrics_markdown(stage_rows: Sequence[Mapping[str, Any]]) -> str:
         "valid_rate: served answers that are valid rankings (the rest fall back to the pre-rank); "
         "unforced_rate: the model's own valid rate, the share of requests whose answer decoded "
         "without the grammar (a second, free pass) is valid and one the grammar accepts "
-        "(equal to valid_rate when decoding is unconstrained).\n"
+        "(equal to valid_rate when decoding is unconstrained); prerank_copy_rate: the share of "
+        "requests whose own valid answer is the pre-rank's list in the pre-rank's order (valid, "
+        "but not re-ranked).\n"
     )
     return "# Stage metrics\n\n" + markdown_table(head, rows) + "\n" + note
 
