@@ -205,3 +205,9 @@ def test_training_curves_come_from_the_newest_run_that_logged_each_stage(tmp_pat
         "rl": {"loss": [(4, 0.1)], "reward_mean": [(4, -0.5)]},
     }  # opd never trained: absent
     assert R.load_training_curves(None, ["cft"]) == {}
+
+
+def test_a_metric_older_stage_rows_lack_prints_a_dash() -> None:
+    row = {"recall@1": 0.25, "ci": {"recall@1": (0.2, 0.3)}}  # written before prerank_copy_rate existed
+    assert R._cell(row, "prerank_copy_rate") == "—"
+    assert R._cell(row, "recall@1") == "0.2500 [0.200, 0.300]"

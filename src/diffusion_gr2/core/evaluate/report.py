@@ -60,6 +60,7 @@ STAGE_COLUMNS = (
     ("mrr", "MRR"),
     ("valid_rate", "valid (served)"),
     ("unforced_rate", "own valid"),
+    ("prerank_copy_rate", "own valid, pre-rank's order"),  # of own valid: not re-ranked
 )
 BENCHMARK_COLUMNS = (
     ("output_tokens_per_s", "tokens/s", 1),
@@ -222,7 +223,10 @@ def _num(value: Any, digits: int = 4) -> str:
 
 
 def _cell(row: Mapping[str, Any], metric: str, signed: bool = False) -> str:
-    """`0.1854 [0.119, 0.252]`; `signed` for differences (`+0.0132 [-0.053, +0.073]`)."""
+    """`0.1854 [0.119, 0.252]`; `signed` for differences (`+0.0132 [-0.053, +0.073]`); `—` for a
+    metric a row does not have (a file older than the metric)."""
+    if "ci" in row and metric not in row["ci"]:
+        return "—"
     low, high = row["ci"][metric] if "ci" in row else (row["low"], row["high"])
     value = row[metric] if metric in row else row["mean_diff"]
     return interval(value, low, high, signed=signed)
