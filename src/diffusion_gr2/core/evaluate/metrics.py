@@ -142,23 +142,16 @@ def user_values(frame: pd.DataFrame | Iterable[Mapping[str, Any]]) -> dict[str, 
         ],
         dtype=np.float64,
     )
+    own = [_own_ranking(r) if ok else None for ok, r in zip(unforced, rows, strict=True)]  # valid ones
     unforced_ranks = np.array(
         [
-            target_rank(r["unforced_ranking"] if "unforced_ranking" in r else _final_ranking(r), r["target"])
-            if ok
-            else target_rank(r.get("prerank"), r["target"])
-            for ok, r in zip(unforced, rows, strict=True)
+            target_rank(r.get("prerank") if mine is None else mine, r["target"])
+            for mine, r in zip(own, rows, strict=True)
         ],
         dtype=np.int64,
     )
     copies = np.array(
-        [
-            ok
-            and _same_order(
-                r["unforced_ranking"] if "unforced_ranking" in r else _final_ranking(r), r.get("prerank")
-            )
-            for ok, r in zip(unforced, rows, strict=True)
-        ],
+        [mine is not None and _same_order(mine, r.get("prerank")) for mine, r in zip(own, rows, strict=True)],
         dtype=np.float64,
     )
     return {
@@ -174,6 +167,11 @@ def user_values(frame: pd.DataFrame | Iterable[Mapping[str, Any]]) -> dict[str, 
         "recall@1_unforced": recall_at_k(unforced_ranks, 1),
         "prerank_copy_rate": copies,
     }
+
+
+def _own_ranking(row: Mapping[str, Any]) -> Any:
+    """The model's own answer: the free pass's ranking where the row has one, else the served one."""
+    return row["unforced_ranking"] if "unforced_ranking" in row else _final_ranking(row)
 
 
 def _same_order(ranking: Any, prerank: Any) -> bool:
