@@ -284,7 +284,11 @@ def summation_depth(model: PreTrainedModel, max_len: int) -> int:
     the LM head (hidden) and the log-sum-exp over the vocabulary."""
     c = model.config
     per_layer = (
-        2 * c.hidden_size + c.head_dim + 2 * max_len + c.num_attention_heads * c.head_dim + c.intermediate_size
+        2 * c.hidden_size
+        + c.head_dim
+        + 2 * max_len
+        + c.num_attention_heads * c.head_dim
+        + c.intermediate_size
     )
     return c.num_hidden_layers * per_layer + c.hidden_size + c.vocab_size
 
