@@ -140,6 +140,8 @@ def _typed_configs(params: dict[str, Any]) -> dict[type, list[str]]:
     from diffusion_gr2.core.retrieval.candidates import CandidateConfig
     from diffusion_gr2.core.retrieval.sasrec import RetrieverConfig
     from diffusion_gr2.core.sid.rqvae import RQVAEConfig
+    from diffusion_gr2.core.text.evidence import EvidenceConfig
+    from diffusion_gr2.core.text.learned_analyst import LearnedAnalystConfig
     from diffusion_gr2.core.text.prompt import PromptConfig
     from diffusion_gr2.core.text.traces import AnalystConfig
     from diffusion_gr2.core.tracking.drift import DriftConfig
@@ -168,6 +170,8 @@ def _typed_configs(params: dict[str, Any]) -> dict[type, list[str]]:
         CandidateConfig: ["retrieval.candidates"],
         PromptConfig: ["traces.prompt"],
         AnalystConfig: ["traces.analyst"],
+        EvidenceConfig: ["traces.evidence"],
+        LearnedAnalystConfig: ["traces.learned_analyst"],
         ModelSpec: ["teacher_sft.model"],
         TrainConfig: ["_train", *stages("train")],  # `_train`: what every stage starts from
         SupervisedConfig: stages("supervised"),

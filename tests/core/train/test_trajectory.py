@@ -27,6 +27,7 @@ from diffusion_gr2.core.train.trajectory import (
     TrajectoryConfig,
     grounded,
     kept_trajectories,
+    rank_reason,
     record_trajectories,
     self_training_examples,
     token_roles,
@@ -295,3 +296,27 @@ def test_an_explanation_citing_a_sid_its_prompt_lacks_is_ungrounded(task: dict) 
 
     assert grounded(tok, answer(cited), request)  # the list is not the explanation's business
     assert not grounded(tok, answer(foreign), request)
+
+
+@pytest.mark.parametrize(
+    ("keep", "rank", "prerank_rank", "reason"),
+    [
+        ("any", 5, 2, ""),  # any valid answer within max_target_rank
+        ("any", 0, 2, "target_rank>10"),
+        ("no_worse", 2, 2, ""),  # a copy ranks the target where the pre-rank did
+        ("no_worse", 3, 2, "below_prerank"),
+        ("better", 2, 2, "not_above_prerank"),  # a copy where the pre-rank's first item was wrong
+        ("better", 1, 2, ""),
+        ("better", 1, 1, ""),  # the pre-rank was right and the answer keeps its pick
+        ("better", 2, 1, "below_prerank"),
+    ],
+)
+def test_keep_rules_pay_for_moving_the_target_up_not_for_copies(
+    keep: str, rank: int, prerank_rank: int, reason: str
+) -> None:
+    assert rank_reason(rank, prerank_rank, TrajectoryConfig(keep=keep)) == reason
+
+
+def test_an_unknown_keep_rule_is_refused_by_name() -> None:
+    with pytest.raises(ValueError, match="trajectories.keep must be one of"):
+        TrajectoryConfig(keep="copies")

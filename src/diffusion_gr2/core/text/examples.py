@@ -13,18 +13,26 @@ from statistics import fmean
 import pandas as pd
 from transformers import PreTrainedTokenizerFast
 
+from diffusion_gr2.core.text.evidence import Evidence
 from diffusion_gr2.core.text.prompt import ItemLookup, PromptConfig, build_messages
 from diffusion_gr2.core.text.tokenizer import ANSWER, encode_example, encode_prompt
 from diffusion_gr2.core.text.traces import SFTRow
 
 
 def encode_requests(
-    candidates: pd.DataFrame, lookup: ItemLookup, tokenizer: PreTrainedTokenizerFast, config: PromptConfig
+    candidates: pd.DataFrame,
+    lookup: ItemLookup,
+    tokenizer: PreTrainedTokenizerFast,
+    config: PromptConfig,
+    evidence: Evidence | None = None,
 ) -> pd.DataFrame:
-    """`user_id, split, point, target, target_position, candidates, candidate_sids, prompt_ids` per row."""
+    """`user_id, split, point, target, target_position, candidates, candidate_sids, prompt_ids` per row
+    (the prompt with `evidence` per candidate where given)."""
     prompts, cand_sids = [], []
     for row in candidates.itertuples(index=False):
-        messages = build_messages(list(row.history), list(row.candidates), lookup, config)
+        history, cands = list(row.history), list(row.candidates)
+        shown = None if evidence is None else evidence.lines(int(row.user_id), history, cands)
+        messages = build_messages(history, cands, lookup, config, shown)
         prompts.append(encode_prompt(tokenizer, messages))
         cand_sids.append(lookup.sids(row.candidates))
     return pd.DataFrame(

@@ -153,17 +153,27 @@ def visible_history(history: Sequence[int], config: PromptConfig) -> list[int]:
 
 
 def build_messages(
-    history: Sequence[int], candidates: Sequence[int], item_lookup: ItemLookup, config: PromptConfig
+    history: Sequence[int],
+    candidates: Sequence[int],
+    item_lookup: ItemLookup,
+    config: PromptConfig,
+    evidence: Sequence[str] | None = None,
 ) -> list[dict[str, str]]:
     """Chat messages (system + user) for one re-ranking request.
 
     The history is chronological (most recent last) and the candidates are in pre-rank order; neither
-    the target nor any retrieval score is shown.
+    the target nor any retrieval score is shown. `evidence` (one text per candidate,
+    `core/text/evidence.py`) is appended to each candidate's line.
     """
     lines = ["History (oldest to newest):"]
     lines += [item_line(item_lookup[i], with_offer=False) for i in visible_history(history, config)]
     lines.append(f"Candidates ({len(candidates)}):")
-    lines += [item_line(item_lookup[i], with_offer=True) for i in candidates]
+    shown = [item_line(item_lookup[i], with_offer=True) for i in candidates]
+    if evidence is not None:
+        if len(evidence) != len(candidates):
+            raise ValueError(f"{len(evidence)} evidence texts for {len(candidates)} candidates")
+        shown = [f"{line}{_SEPARATOR}{text}" for line, text in zip(shown, evidence, strict=True)]
+    lines += shown
     return [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": "\n".join(lines)}]
 
 

@@ -20,6 +20,7 @@ import numpy as np
 import pandas as pd
 from tqdm.auto import tqdm
 
+from diffusion_gr2.core.text.evidence import Evidence
 from diffusion_gr2.core.text.prompt import (
     ItemInfo,
     ItemLookup,
@@ -303,14 +304,22 @@ class SFTRow:
     response_text: str
 
 
-def build_sft_rows(rows: Iterable[TraceRow], lookup: ItemLookup, config: PromptConfig) -> list[SFTRow]:
-    """Accepted traces as (messages, JSON answer) pairs for SFT."""
+def build_sft_rows(
+    rows: Iterable[TraceRow], lookup: ItemLookup, config: PromptConfig, evidence: Evidence | None = None
+) -> list[SFTRow]:
+    """Accepted traces as (messages, JSON answer) pairs for SFT (prompts with `evidence` where given)."""
+
+    def shown(e: RerankExample) -> list[str] | None:
+        return None if evidence is None else evidence.lines(e.user_id, e.history, e.candidates)
+
     return [
         SFTRow(
             user_id=r.example.user_id,
             split=r.example.split,
             target=r.example.target,
-            messages=build_messages(r.example.history, r.example.candidates, lookup, config),
+            messages=build_messages(
+                r.example.history, r.example.candidates, lookup, config, shown(r.example)
+            ),
             response_text=render_answer(r.explanation, lookup.sids(r.ranking)),
         )
         for r in rows

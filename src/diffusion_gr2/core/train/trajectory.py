@@ -11,7 +11,8 @@ distillation). What it is taught here, from its own served decodes on training r
 * **certainty** (dParallel's certainty forcing, LLaDA 2.0's CAP): the entropy of positions already
   predicted right is lowered (`losses.certainty_penalty`), so they clear tau sooner;
 * **only answers worth copying** (rejection sampling, as the traces stage keeps teacher traces): a
-  decode is kept when its answer is valid, ranks the request's target within `max_target_rank` and
+  decode is kept when its answer is valid, ranks the request's target within `max_target_rank`, at
+  least as high as the pre-rank did under `keep` (so copying the list is not what is paid for) and
   (`grounded`) its explanation cites only SIDs its prompt shows: validity checks the list alone, and
   rounds that kept ungrounded explanations taught the model to cite items that do not exist.
   Decoded free by default (`grammar` off; jump-forward and the SID threshold as served): an answer is
@@ -55,10 +56,12 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "EXAMPLE_COLUMNS",
     "TRAJECTORY_COLUMNS",
+    "KEEP_RULES",
     "TrajectoryConfig",
     "grounded",
     "kept_trajectories",
     "parsed_answer",
+    "rank_reason",
     "record_trajectories",
     "self_training_examples",
     "token_roles",
@@ -86,6 +89,12 @@ class TrajectoryConfig:
     tau: float | None = 0.75  # commit threshold of the recorded decodes: the served candidate's; None = AR
     requests: int | None = 1024  # training requests decoded (a seeded sample); None = every one
     max_target_rank: int = 10  # keep an answer only if it ranks the target at most here (10: any valid)
+    # Against the pre-rank's own rank of the target (`KEEP_RULES`): "any" keeps every answer within
+    # `max_target_rank`, which pays for copying the list (a copy is always valid and ranks the target
+    # somewhere); "no_worse" keeps an answer ranking the target at least as high as the pre-rank did;
+    # "better" also asks it to rank it higher wherever the pre-rank's first item was wrong, so a copy
+    # is kept only where the pre-rank was right (docs/evaluation.md#self-training-that-does-not-pay-for-copies)
+    keep: str = "any"
     # keep an answer only if every SID its explanation cites is one its prompt shows (the evaluation's
     # `grounded_rate`); the list's validity does not check the explanation
     grounded: bool = True
@@ -93,6 +102,25 @@ class TrajectoryConfig:
     # True: under the served answer grammar; False: free decodes, the model's own answers (an invalid
     # one is set aside, so what is kept is valid without the grammar's help)
     grammar: bool = False
+
+    def __post_init__(self) -> None:
+        if self.keep not in KEEP_RULES:
+            raise ValueError(f"trajectories.keep must be one of {KEEP_RULES}, got {self.keep!r}")
+
+
+KEEP_RULES = ("any", "no_worse", "better")
+
+
+def rank_reason(rank: int, prerank_rank: int, config: TrajectoryConfig) -> str:
+    """Why a valid answer ranking the target at `rank` is set aside ("" = kept); the pre-rank ranked
+    it at `prerank_rank` (1-based)."""
+    if not 0 < rank <= config.max_target_rank:
+        return f"target_rank>{config.max_target_rank}"
+    if config.keep != "any" and rank > prerank_rank:
+        return "below_prerank"
+    if config.keep == "better" and prerank_rank > 1 and rank == prerank_rank:
+        return "not_above_prerank"
+    return ""
 
 
 def token_roles(tokenizer: PreTrainedTokenizerBase, tokens: list[int]) -> list[int]:
@@ -134,9 +162,7 @@ def record_trajectories(
             if not parsed.valid
             else "ungrounded"
             if config.grounded and not grounded(tokenizer, parsed.explanation, req)
-            else ""
-            if 0 < rank <= config.max_target_rank
-            else f"target_rank>{config.max_target_rank}"
+            else rank_reason(rank, [int(i) for i in req.candidates].index(int(req.target)) + 1, config)
         )
         records.append(
             {

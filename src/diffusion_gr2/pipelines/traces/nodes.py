@@ -5,16 +5,26 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import Any
 
+import numpy as np
 import pandas as pd
 from transformers import PreTrainedTokenizerFast
 
 from diffusion_gr2.core.data.schemas import validate_requests
+from diffusion_gr2.core.evaluate.metrics import paired_bootstrap
 from diffusion_gr2.core.model.factory import ModelSpec, load_pretrained_tokenizer
+from diffusion_gr2.core.text.evidence import Evidence, EvidenceConfig, EvidenceTable
 from diffusion_gr2.core.text.examples import encode_requests, encode_sft, length_report
+from diffusion_gr2.core.text.learned_analyst import (
+    LearnedAnalyst,
+    LearnedAnalystConfig,
+    fit_learned_analyst,
+    top_hits,
+)
 from diffusion_gr2.core.text.prompt import ItemLookup, PromptConfig
 from diffusion_gr2.core.text.tokenizer import build_tokenizer, extend_tokenizer, sid_tokens_from_sids
 from diffusion_gr2.core.text.traces import (
     AnalystConfig,
+    RerankExample,
     RuleBasedAnalyst,
     build_sft_rows,
     corpus_texts,
@@ -31,6 +41,46 @@ def _lookup(items: pd.DataFrame, sids: pd.DataFrame, params: dict[str, Any]) -> 
     return ItemLookup.from_frames(items, sids, PromptConfig(**params["prompt"]))
 
 
+def _evidence(
+    candidates: pd.DataFrame, items: pd.DataFrame, splits: pd.DataFrame, params: dict[str, Any]
+) -> Evidence:
+    """The evidence: counts on the training sequences, levels cut at the quantiles of the training
+    requests' candidates."""
+    config = EvidenceConfig(**params.get("evidence", {}))
+    table = EvidenceTable.from_frames(splits, items, config)
+    train = candidates[candidates["split"] == "train"]
+    return Evidence.fit(table, zip(train["user_id"], train["history"], train["candidates"], strict=True))
+
+
+def _shown_evidence(
+    candidates: pd.DataFrame, items: pd.DataFrame, splits: pd.DataFrame, params: dict[str, Any]
+) -> Evidence | None:
+    """The evidence the prompts show: None unless `traces.evidence.in_prompt`."""
+    evidence = _evidence(candidates, items, splits, params)
+    return evidence if evidence.table.config.in_prompt else None
+
+
+def analyst_ceiling(analyst: LearnedAnalyst, examples: list[RerankExample]) -> dict[str, Any]:
+    """Per split, the learned analyst's noiseless R@1 against the pre-rank's, paired: the teacher's
+    ceiling (valid chooses its settings; test reports)."""
+    out: dict[str, Any] = {}
+    for split in ("valid", "test"):
+        rows = [e for e in examples if e.split == split and e.target in e.candidates]
+        if not rows:
+            continue
+        hits = top_hits(analyst, rows)
+        prerank = np.array([float(e.candidates[0] == e.target) for e in rows])
+        diff = paired_bootstrap(hits, prerank, groups=[e.user_id for e in rows])
+        out[split] = {
+            "n": len(rows),
+            "analyst_recall@1": float(hits.mean()),
+            "prerank_recall@1": float(prerank.mean()),
+            "diff": diff.mean_diff,
+            "diff_ci": [diff.low, diff.high],
+        }
+    return out
+
+
 def generate_traces(
     candidates: pd.DataFrame,
     items: pd.DataFrame,
@@ -38,16 +88,31 @@ def generate_traces(
     splits: pd.DataFrame,
     params: dict[str, Any],
 ) -> tuple[pd.DataFrame, dict[str, Any]]:
-    """Rule-based analyst traces for the training rows, kept only when the top pick is the target."""
+    """Teacher traces for the training rows, kept only when the top pick is the target: the learned
+    analyst's where the prompt shows evidence (`traces.evidence.in_prompt`), the rule-based
+    analyst's otherwise. The learned analyst is fit either way: its ceiling is in the report."""
     prompt_config = PromptConfig(**params["prompt"])
     lookup = _lookup(items, sids, params)
-    popularity = popularity_from_histories(splits["train_items"])  # training data only: no leakage
-    teacher = RuleBasedAnalyst(lookup, popularity, AnalystConfig(**params["analyst"]), prompt_config)
-    train_rows = candidates[candidates["split"] == "train"]
-    rows, stats = rejection_sample(
-        teacher, examples_from_frame(train_rows), params["max_tries"], params["seed"]
-    )
-    return sft_frame(build_sft_rows(rows, lookup, prompt_config)), asdict(stats)
+    evidence = _evidence(candidates, items, splits, params)
+    examples = examples_from_frame(candidates)
+    config = LearnedAnalystConfig(**params.get("learned_analyst", {}))
+    train, valid = ([e for e in examples if e.split == s] for s in ("train", "valid"))
+    learned, by_c = fit_learned_analyst(evidence, lookup, train, valid, config, prompt_config)
+    report = {
+        "analyst": {
+            "C": float(learned.ranker.C),
+            "valid_recall@1_by_C": {str(c): r for c, r in by_c.items()},
+            **analyst_ceiling(learned, examples),
+            "evidence_cuts": evidence.scale.to_dict(),
+        }
+    }
+    teacher: LearnedAnalyst | RuleBasedAnalyst = learned
+    if not evidence.table.config.in_prompt:
+        popularity = popularity_from_histories(splits["train_items"])  # training data only: no leakage
+        teacher = RuleBasedAnalyst(lookup, popularity, AnalystConfig(**params["analyst"]), prompt_config)
+    rows, stats = rejection_sample(teacher, train, params["max_tries"], params["seed"])
+    shown = evidence if evidence.table.config.in_prompt else None
+    return sft_frame(build_sft_rows(rows, lookup, prompt_config, shown)), asdict(stats) | report
 
 
 def train_tokenizer(
@@ -73,12 +138,17 @@ def encode_datasets(
     sids: pd.DataFrame,
     tokenizer: PreTrainedTokenizerFast,
     trace_stats: dict[str, Any],
+    splits: pd.DataFrame,
     params: dict[str, Any],
 ) -> tuple[pd.DataFrame, pd.DataFrame, dict[str, Any], dict[str, Any]]:
     """Token ids of the SFT examples and of every re-ranking request, with the trace report."""
     sft_examples = encode_sft(sft_rows_from_frame(traces), tokenizer)
     requests = encode_requests(
-        candidates, _lookup(items, sids, params), tokenizer, PromptConfig(**params["prompt"])
+        candidates,
+        _lookup(items, sids, params),
+        tokenizer,
+        PromptConfig(**params["prompt"]),
+        _shown_evidence(candidates, items, splits, params),
     )
     validate_requests(requests)  # every model stage reads it: a bad SID list stops here, named
     report = {**trace_stats, **length_report(sft_examples, requests), "vocab_size": len(tokenizer)}

@@ -22,7 +22,16 @@ def create_pipeline(**kwargs) -> Pipeline:
             ),
             Node(
                 encode_datasets,
-                inputs=["traces", "candidates", "items", "sids", "tokenizer", "trace_stats", "params:traces"],
+                inputs=[
+                    "traces",
+                    "candidates",
+                    "items",
+                    "sids",
+                    "tokenizer",
+                    "trace_stats",
+                    "splits",
+                    "params:traces",
+                ],
                 outputs=["sft_examples", "requests", "trace_report", "trace_metrics"],
                 name="encode_datasets",
             ),
