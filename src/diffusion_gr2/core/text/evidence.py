@@ -22,7 +22,8 @@ import math
 import re
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -190,3 +191,16 @@ class Evidence:
     def lines(self, user_id: int, history: Sequence[int], candidates: Sequence[int]) -> list[str]:
         """Per candidate, the text the prompt appends to its line."""
         return [evidence_text(row) for row in self.levels(user_id, history, candidates)]
+
+
+def evidence_spec(evidence: Evidence) -> dict[str, Any]:
+    """What a run saves of its evidence (`evidence.json`): the settings and the cuts; the counts are
+    rebuilt from the training sequences, which travel with it (a served version's catalogue)."""
+    return {**asdict(evidence.table.config), "cuts": evidence.scale.to_dict()}
+
+
+def evidence_from_spec(spec: Mapping[str, Any], sequences: pd.DataFrame, items: pd.DataFrame) -> Evidence:
+    """The `Evidence` a spec describes, over `sequences` (`user_id`, `train_items`) and `items`."""
+    config = EvidenceConfig(**{k: v for k, v in spec.items() if k != "cuts"})
+    table = EvidenceTable.from_frames(sequences, items, config)
+    return Evidence(table, EvidenceScale.from_dict(spec["cuts"]))

@@ -113,6 +113,7 @@ def register_reranker(
     config: ServingConfig,
     tags: Mapping[str, str] | None = None,
     client: MlflowClient | None = None,
+    sequences: pd.DataFrame | None = None,
 ) -> VersionRef:
     """Log `model_dir` as a pyfunc model in the active run, register it as a new version of `name`.
 
@@ -123,6 +124,7 @@ def register_reranker(
     from diffusion_gr2.core.tracking.serving import (
         INPUT_EXAMPLE,
         PRERANK,
+        SEQUENCES_FILE,
         SIGNATURE,
         PrerankModel,
         RerankerModel,
@@ -134,6 +136,8 @@ def register_reranker(
         catalogue.mkdir()
         items.to_parquet(catalogue / "items.parquet", index=False)
         sids.to_parquet(catalogue / "sids.parquet", index=False)
+        if sequences is not None:  # the training sequences the prompt's evidence is counted on
+            sequences.to_parquet(catalogue / SEQUENCES_FILE, index=False)
         serving = Path(tmp) / "serving.json"
         serving.write_text(config.to_json())
         artifacts = {"catalogue": str(catalogue), "serving": str(serving)}

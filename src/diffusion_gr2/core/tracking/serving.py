@@ -48,6 +48,7 @@ from diffusion_gr2.core.rank.rerank import (
     own_validity,
     prepare_model,
 )
+from diffusion_gr2.core.text.evidence import Evidence, evidence_from_spec
 from diffusion_gr2.core.text.parser import apply_fallback, parse_answer
 from diffusion_gr2.core.text.prompt import ItemLookup, PromptConfig, build_messages
 from diffusion_gr2.core.text.tokenizer import IM_END, decode_response, encode_prompt
@@ -96,6 +97,9 @@ class ServingConfig:
     window: int | None = None  # decoding window of the operating point (None = whole block)
     decoding: dict[str, Any] = field(default_factory=dict)  # RerankConfig fields
     prompt: dict[str, Any] = field(default_factory=dict)  # PromptConfig fields
+    # the prompt's evidence (`core/text/evidence.py`: settings and cuts) where the model was trained on
+    # prompts showing it; its counts come from the catalogue's training sequences
+    evidence: dict[str, Any] | None = None
     limits: dict[str, Any] = field(default_factory=dict)  # Limits fields
 
     def to_json(self) -> str:
@@ -182,16 +186,41 @@ def parse_request(row: int, record: Mapping[str, Any], known: Mapping[str, int],
     )
 
 
+SEQUENCES_FILE = "sequences.parquet"  # a version's catalogue: the training sequences evidence counts
+
+
+def _served_evidence(
+    config: ServingConfig, sequences: pd.DataFrame | None, items: pd.DataFrame
+) -> Evidence | None:
+    """The evidence a version's prompts show, or None; a version trained on evidence whose catalogue
+    lacks the training sequences is refused by name rather than served prompts it never saw."""
+    if config.evidence is None:
+        return None
+    if sequences is None:
+        raise ValueError(
+            f"{config.system}: serving.evidence is set but the catalogue has no {SEQUENCES_FILE} "
+            "(the training sequences its evidence is counted on); register the version again"
+        )
+    return evidence_from_spec(config.evidence, sequences, items)
+
+
 class Ranker:
     """One model with everything it needs to answer requests in raw item ids."""
 
     def __init__(
-        self, model: Any, tokenizer: Any, items: pd.DataFrame, sids: pd.DataFrame, config: ServingConfig
+        self,
+        model: Any,
+        tokenizer: Any,
+        items: pd.DataFrame,
+        sids: pd.DataFrame,
+        config: ServingConfig,
+        sequences: pd.DataFrame | None = None,
     ):
         self.config = config
         self.limits = Limits(**config.limits)
         self.prompt = PromptConfig(**config.prompt)
         self.lookup = ItemLookup.from_frames(items, sids, self.prompt)
+        self.evidence = _served_evidence(config, sequences, items)
         self.tokenizer = tokenizer
         rerank_config = RerankConfig(**config.decoding)
         self.model = prepare_model(model, rerank_config.device)
@@ -215,7 +244,18 @@ class Ranker:
         tokenizer = PreTrainedTokenizerFast.from_pretrained(str(model_dir), local_files_only=True)
         items = pd.read_parquet(Path(catalogue_dir) / "items.parquet")
         sids = pd.read_parquet(Path(catalogue_dir) / "sids.parquet")
-        return cls(load_model(model_dir), tokenizer, items, sids, config)
+        sequences_file = Path(catalogue_dir) / SEQUENCES_FILE
+        sequences = pd.read_parquet(sequences_file) if sequences_file.exists() else None
+        return cls(load_model(model_dir), tokenizer, items, sids, config, sequences)
+
+    def messages(self, request: Request) -> list[dict[str, str]]:
+        """The prompt of one request, as the model was trained on it (evidence included where it was:
+        counted over every training sequence, since a served request has no training sequence of its
+        own to leave out)."""
+        shown = None
+        if self.evidence is not None:
+            shown = self.evidence.lines(-1, request.history, request.candidates)
+        return build_messages(request.history, request.candidates, self.lookup, self.prompt, shown)
 
     def parse(self, records: Sequence[Mapping[str, Any]]) -> list[Request]:
         """Every request validated; the first malformed one refuses the whole call."""
@@ -239,10 +279,7 @@ class Ranker:
         """
         decode_config = self.decode if batch_size is None else replace(self.decode, batch_size=batch_size)
         start = time.perf_counter()
-        prompts = [
-            encode_prompt(self.tokenizer, build_messages(r.history, r.candidates, self.lookup, self.prompt))
-            for r in requests
-        ]
+        prompts = [encode_prompt(self.tokenizer, self.messages(r)) for r in requests]
         sid_lists = [self.lookup.sids(r.candidates) for r in requests]
         cited = prompts if self.cite_prompt_sids else None  # the explanation cites the prompt's SIDs only
         grammars = answer_grammars(self.tokenizer, sid_lists, IM_END, cited) if self.constrained else None

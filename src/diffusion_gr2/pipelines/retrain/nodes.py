@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -135,6 +135,8 @@ def register_models(
     params: dict[str, Any],
     traces: dict[str, Any],
     inference: dict[str, Any],
+    evidence: dict[str, Any],
+    splits: pd.DataFrame,
 ) -> dict[str, str | None]:
     """Register `ar_rl` as a new `diffusion-gr2-teacher` version, the served diffusion system
     (`SERVED_DIFFUSION`) as `diffusion-gr2` and the pre-rank (this run's catalogue) as
@@ -145,8 +147,12 @@ def register_models(
     When the diffusion system has no operating point it is not registered (a model validation refused
     never becomes a challenger): its version is None and `not_registered` says why; the teacher still
     is, and goes through its own gate (`core/tracking/promotion.py`). `params`: `retrain`, of which
-    `register` (`RegisterConfig`) is read here.
+    `register` (`RegisterConfig`) is read here. Where the prompts showed `evidence`, each model's
+    version carries its spec and the training sequences it is counted on, so it serves the prompts
+    it was trained on.
     """
+    shown = evidence if evidence.get("in_prompt") else None
+    sequences = splits[["user_id", "train_items"]] if shown else None
     register = RegisterConfig(**params["register"])
     digests, run = DigestCache(), mlflow.active_run()
     refs: dict[str, str | None] = {"diffusion": None}
@@ -154,6 +160,7 @@ def register_models(
     for role, system in (("teacher", "ar_rl"), ("diffusion", SERVED_DIFFUSION)):  # the teacher first
         try:
             config, source = _serving(system, operating_point, register, traces, inference)
+            config = replace(config, evidence=shown)
         except NoOperatingPoint as err:
             not_registered = (
                 f"{system} not registered: {err} (set retrain.register.without_operating_point to "
@@ -172,7 +179,9 @@ def register_models(
         if role == "diffusion":
             tags["teacher_version"] = refs["teacher"]
         name = registry.RERANKER_MODELS[role]
-        refs[role] = registry.register_reranker(name, folder, items, sids, config, tags).version
+        refs[role] = registry.register_reranker(
+            name, folder, items, sids, config, tags, sequences=sequences
+        ).version
     prerank = ServingConfig(system=PRERANK, tau=None, limits=dict(register.limits))
     run_tag = {"lineage.model.run_id": run.info.run_id if run else ""}
     refs["prerank"] = registry.register_reranker(

@@ -51,6 +51,8 @@ def registration_pipeline(delivery: str | None = None) -> Pipeline:
                     "params:retrain",
                     "params:traces",
                     "params:inference",
+                    "evidence",
+                    "splits",
                 ],
                 "registered_versions",
                 name="register_models",

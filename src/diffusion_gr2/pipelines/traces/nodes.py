@@ -12,7 +12,13 @@ from transformers import PreTrainedTokenizerFast
 from diffusion_gr2.core.data.schemas import validate_requests
 from diffusion_gr2.core.evaluate.metrics import paired_bootstrap
 from diffusion_gr2.core.model.factory import ModelSpec, load_pretrained_tokenizer
-from diffusion_gr2.core.text.evidence import Evidence, EvidenceConfig, EvidenceTable
+from diffusion_gr2.core.text.evidence import (
+    Evidence,
+    EvidenceConfig,
+    EvidenceTable,
+    evidence_from_spec,
+    evidence_spec,
+)
 from diffusion_gr2.core.text.examples import encode_requests, encode_sft, length_report
 from diffusion_gr2.core.text.learned_analyst import (
     LearnedAnalyst,
@@ -52,14 +58,6 @@ def _evidence(
     return Evidence.fit(table, zip(train["user_id"], train["history"], train["candidates"], strict=True))
 
 
-def _shown_evidence(
-    candidates: pd.DataFrame, items: pd.DataFrame, splits: pd.DataFrame, params: dict[str, Any]
-) -> Evidence | None:
-    """The evidence the prompts show: None unless `traces.evidence.in_prompt`."""
-    evidence = _evidence(candidates, items, splits, params)
-    return evidence if evidence.table.config.in_prompt else None
-
-
 def analyst_ceiling(analyst: LearnedAnalyst, examples: list[RerankExample]) -> dict[str, Any]:
     """Per split, the learned analyst's noiseless R@1 against the pre-rank's, paired: the teacher's
     ceiling (valid chooses its settings; test reports)."""
@@ -87,10 +85,11 @@ def generate_traces(
     sids: pd.DataFrame,
     splits: pd.DataFrame,
     params: dict[str, Any],
-) -> tuple[pd.DataFrame, dict[str, Any]]:
+) -> tuple[pd.DataFrame, dict[str, Any], dict[str, Any]]:
     """Teacher traces for the training rows, kept only when the top pick is the target: the learned
     analyst's where the prompt shows evidence (`traces.evidence.in_prompt`), the rule-based
-    analyst's otherwise. The learned analyst is fit either way: its ceiling is in the report."""
+    analyst's otherwise. The learned analyst is fit either way: its ceiling is in the report. Also
+    the evidence's spec (`evidence.json`: settings and cuts), which every prompt builder reads."""
     prompt_config = PromptConfig(**params["prompt"])
     lookup = _lookup(items, sids, params)
     evidence = _evidence(candidates, items, splits, params)
@@ -112,7 +111,8 @@ def generate_traces(
         teacher = RuleBasedAnalyst(lookup, popularity, AnalystConfig(**params["analyst"]), prompt_config)
     rows, stats = rejection_sample(teacher, train, params["max_tries"], params["seed"])
     shown = evidence if evidence.table.config.in_prompt else None
-    return sft_frame(build_sft_rows(rows, lookup, prompt_config, shown)), asdict(stats) | report
+    sft = sft_frame(build_sft_rows(rows, lookup, prompt_config, shown))
+    return sft, asdict(stats) | report, evidence_spec(evidence)
 
 
 def train_tokenizer(
@@ -138,6 +138,7 @@ def encode_datasets(
     sids: pd.DataFrame,
     tokenizer: PreTrainedTokenizerFast,
     trace_stats: dict[str, Any],
+    evidence: dict[str, Any],
     splits: pd.DataFrame,
     params: dict[str, Any],
 ) -> tuple[pd.DataFrame, pd.DataFrame, dict[str, Any], dict[str, Any]]:
@@ -148,7 +149,7 @@ def encode_datasets(
         _lookup(items, sids, params),
         tokenizer,
         PromptConfig(**params["prompt"]),
-        _shown_evidence(candidates, items, splits, params),
+        evidence_from_spec(evidence, splits, items) if evidence["in_prompt"] else None,
     )
     validate_requests(requests)  # every model stage reads it: a bad SID list stops here, named
     report = {**trace_stats, **length_report(sft_examples, requests), "vocab_size": len(tokenizer)}

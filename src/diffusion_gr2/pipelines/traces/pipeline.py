@@ -11,7 +11,7 @@ def create_pipeline(**kwargs) -> Pipeline:
             Node(
                 generate_traces,
                 inputs=["candidates", "items", "sids", "splits", "params:traces"],
-                outputs=["traces", "trace_stats"],
+                outputs=["traces", "trace_stats", "evidence"],
                 name="generate_traces",
             ),
             Node(
@@ -29,6 +29,7 @@ def create_pipeline(**kwargs) -> Pipeline:
                     "sids",
                     "tokenizer",
                     "trace_stats",
+                    "evidence",
                     "splits",
                     "params:traces",
                 ],
