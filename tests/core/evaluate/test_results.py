@@ -115,13 +115,14 @@ def test_the_table_holds_each_served_system_with_its_intervals_and_the_run_line(
     assert rl[1] == "tau 0.6, whole block" and rl[2] == "100"
     assert rl[3] == "0.200 [0.150, 0.250]"
     assert rl[4] == "+0.020 [-0.020, +0.060]" and rl[5] == "+0.010 [-0.030, +0.050]"
-    assert (rl[6], rl[7], rl[8]) == ("0.53", "1.00", "2.50")
-    assert rl[9] == "2.40 [2.30, 2.50]x" and rl[10] == "1.30 [1.20, 1.40]x"
+    # own valid, of which copies (the fixture's prerank_copy_rate is its R@1), served valid, tokens/forward
+    assert (rl[6], rl[7], rl[8], rl[9]) == ("0.53", "0.20", "1.00", "2.50")
+    assert rl[10] == "2.40 [2.30, 2.50]x" and rl[11] == "1.30 [1.20, 1.40]x"
     # against the fastest AR row at batch 1 (generate, 120 a round), paired by round: 2.0 every round
-    assert rl[11] == "2.00 [2.00, 2.00]x (generate)"
+    assert rl[12] == "2.00 [2.00, 2.00]x (generate)"
     ar = cells(table, "ar_rl")
     assert ar[4] == "-" and ar[5] == "-0.010 [-0.050, +0.030]" and ar[6] == "0.52"
-    assert cells(table, "prerank")[8:] == ["-"] * 4
+    assert cells(table, "prerank")[9:] == ["-"] * 4
     assert table.count("| rl |") == 1  # the served setting only, not the sweep's tau 0.9
     assert "Run: 2026-12-02T14:00:00+00:00, commit abcdef0, env local, 2 CPU cores, 2 torch threads" in table
     assert "no GPU; 22.5 min" in table
@@ -136,7 +137,7 @@ def test_a_refused_operating_point_is_shown_as_not_served(tmp_path: Path) -> Non
 def test_without_a_benchmark_the_speed_columns_say_so(tmp_path: Path) -> None:
     folder = reporting(tmp_path)
     (folder / "benchmark.json").unlink()
-    assert cells(results_markdown(folder), "rl")[8] == "no benchmark.json"
+    assert cells(results_markdown(folder), "rl")[9] == "no benchmark.json"
 
 
 def test_a_missing_run_report_is_a_clear_error(tmp_path: Path) -> None:

@@ -32,7 +32,15 @@ from diffusion_gr2.core.evaluate.plots import (
     training_curves_figure,
 )
 from diffusion_gr2.core.evaluate.results import results_table, runs_text
-from diffusion_gr2.core.evaluate.tables import DASH, interval, markdown_table, tau_cell, window_cell
+from diffusion_gr2.core.evaluate.tables import (
+    DASH,
+    interval,
+    markdown_table,
+    paired_cell,
+    paired_row,
+    tau_cell,
+    window_cell,
+)
 from diffusion_gr2.core.tracking.manifest import RunSources
 
 logger = logging.getLogger(__name__)
@@ -314,7 +322,8 @@ def _inputs_section(inputs: ReportInputs) -> str:
 
 def _stage_section(inputs: ReportInputs) -> str:
     served, decoding = _served(inputs), {_key(d): d for d in inputs.decoding}
-    head = ["system", "tau", "window", "served", "n", *(h for _, h in STAGE_COLUMNS), "tokens/forward"]
+    head = ["system", "tau", "window", "served", "n", *(h for _, h in STAGE_COLUMNS)]
+    head += ["R@1 vs ar_rl (paired)", "R@1 vs pre-rank (paired)", "tokens/forward"]
     rows = []
     for row in _reported(inputs):
         at = (row["system"], row["tau"], row.get("window"))
@@ -326,7 +335,13 @@ def _stage_section(inputs: ReportInputs) -> str:
             "yes" if at in served else "",
             str(row["n"]),
         ]
-        rows.append(cells + [_cell(row, m) for m, _ in STAGE_COLUMNS] + [_num(tpf, 3)])
+        versus = [
+            DASH
+            if row["system"] == base
+            else paired_cell(paired_row(inputs.comparisons, inputs.split, *at, base))
+            for base in ("ar_rl", "prerank")
+        ]
+        rows.append(cells + [_cell(row, m) for m, _ in STAGE_COLUMNS] + versus + [_num(tpf, 3)])
     text = (
         f"## Stage table ({inputs.split})\n\n"
         "Every system at each threshold, 95% bootstrap intervals over users (`stage_metrics.json`). "
@@ -334,7 +349,9 @@ def _stage_section(inputs: ReportInputs) -> str:
         "operating point chosen on validation (`operating_point.json`). *valid (served)*: answers that "
         "are valid rankings as served (under the answer grammar when decoding is constrained); *own "
         "valid*: requests whose answer decoded without the grammar (a second, free pass) is valid, "
-        "the model's own valid-output rate. "
+        "the model's own valid-output rate; *own valid, pre-rank's order*: of those, the answers that "
+        "copy the pre-rank's list unchanged. *vs ar_rl*, *vs pre-rank*: the paired R@1 difference on the "
+        "same requests, with its 95% interval (`comparisons.json`). "
         "tokens/forward: output tokens over forward passes (`rankings.parquet`).\n\n"
         + markdown_table(head, rows)
     )

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from diffusion_gr2.core.bench.harness import speedup
-from diffusion_gr2.core.evaluate.tables import interval, markdown_table, missing
+from diffusion_gr2.core.evaluate.tables import interval, markdown_table, missing, paired_row, same_setting
 from diffusion_gr2.core.tracking.manifest import (
     NO_RECORD,
     MixedRunsError,
@@ -46,6 +46,7 @@ RESULTS_HEAD = (
     "vs ar_rl (paired)",
     "vs pre-rank (paired)",
     "own valid",
+    "of which copies",
     "served valid",
     "tokens/forward",
     "speed-up vs ar_rl, batch 1",
@@ -58,14 +59,6 @@ ResultsError = ReportFileError  # a reporting file the table needs is missing or
 RESULTS_FILES = ("stage_metrics.json", "comparisons.json", "operating_point.json", "benchmark.json")
 
 
-def _same(a: Any, b: Any) -> bool:
-    """Equal settings, None and NaN alike (AR rows have no tau, whole-block rows no window)."""
-    missing = [v is None or (isinstance(v, float) and math.isnan(v)) for v in (a, b)]
-    if any(missing):
-        return all(missing)
-    return float(a) == float(b)
-
-
 def _stage(rows: Sequence[Mapping[str, Any]], system: str, tau: Any, window: Any) -> Mapping[str, Any] | None:
     return next(
         (
@@ -73,26 +66,8 @@ def _stage(rows: Sequence[Mapping[str, Any]], system: str, tau: Any, window: Any
             for r in rows
             if r["split"] == "test"
             and r["system"] == system
-            and _same(r.get("tau"), tau)
-            and _same(r.get("window"), window)
-        ),
-        None,
-    )
-
-
-def _paired(
-    rows: Sequence[Mapping[str, Any]], system: str, tau: Any, window: Any, baseline: str
-) -> Mapping[str, Any] | None:
-    return next(
-        (
-            r
-            for r in rows
-            if r["split"] == "test"
-            and r["metric"] == "recall@1"
-            and r["system"] == system
-            and r["baseline"] == baseline
-            and _same(r.get("tau"), tau)
-            and _same(r.get("window"), window)
+            and same_setting(r.get("tau"), tau)
+            and same_setting(r.get("window"), window)
         ),
         None,
     )
@@ -117,8 +92,8 @@ def _bench_row(
             if r["system"] == system
             and r["constrained"]
             and int(r["batch_size"]) == batch
-            and _same(r.get("tau"), tau)
-            and _same(r.get("window"), window)
+            and same_setting(r.get("tau"), tau)
+            and same_setting(r.get("window"), window)
         ),
         None,
     )
@@ -278,11 +253,11 @@ def results_table(
             continue
         cells = [system, text, str(row["n"]), _interval(row["recall@1"], *row["ci"]["recall@1"])]
         for baseline in ("ar_rl", "prerank"):
-            diff = None if system == baseline else _paired(paired, system, tau, window, baseline)
+            diff = None if system == baseline else paired_row(paired, "test", system, tau, window, baseline)
             cells.append(
                 "-" if diff is None else _interval(diff["mean_diff"], diff["low"], diff["high"], sign=True)
             )
-        cells += [_fmt(row.get("unforced_rate"), 2), _fmt(row.get("valid_rate"), 2)]
+        cells += [_fmt(row.get(k), 2) for k in ("unforced_rate", "prerank_copy_rate", "valid_rate")]
         cells += ["-"] * 4 if system == "prerank" else _speed_cells(bench, system, tau, window)
         rows.append(cells)
     ar = _stage(stages, "ar_rl", None, None)
@@ -291,7 +266,8 @@ def results_table(
         f"Test split{size}; paired differences on the requests both answered; intervals resample users; "
         "speed-ups are medians of per-round ratios under the answer grammar, with their sign-test "
         "intervals (`benchmark.json` `statistic`). Own valid: answers decoded without the grammar that "
-        "it accepts."
+        "it accepts; of which copies: own valid answers that are the pre-rank's list unchanged (the "
+        "rest re-rank)."
     )
     return markdown_table(RESULTS_HEAD, rows) + "\n\n" + note + "\n"
 

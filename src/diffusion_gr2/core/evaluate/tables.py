@@ -12,7 +12,17 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-__all__ = ["interval", "markdown_table", "metric_cell", "missing", "tau_cell", "window_cell"]
+__all__ = [
+    "interval",
+    "markdown_table",
+    "metric_cell",
+    "missing",
+    "paired_cell",
+    "paired_row",
+    "same_setting",
+    "tau_cell",
+    "window_cell",
+]
 
 DASH = "—"  # an empty setting (AR: no tau; the whole block: no window)
 
@@ -60,3 +70,43 @@ def tau_cell(row: Mapping[str, Any]) -> str:
 def window_cell(row: Mapping[str, Any]) -> str:
     """The decoding window, or `—` for the whole block."""
     return DASH if row.get("window") is None else str(row["window"])
+
+
+def same_setting(a: Any, b: Any) -> bool:
+    """Equal settings, None and NaN alike (AR rows have no tau, whole-block rows no window)."""
+    gone = [v is None or (isinstance(v, float) and math.isnan(v)) for v in (a, b)]
+    if any(gone):
+        return all(gone)
+    return float(a) == float(b)
+
+
+def paired_row(
+    rows: Sequence[Mapping[str, Any]],
+    split: str,
+    system: str,
+    tau: Any,
+    window: Any,
+    baseline: str,
+    metric: str = "recall@1",
+) -> Mapping[str, Any] | None:
+    """The `comparisons.json` row of `system` at (tau, window) against `baseline` on `split`, or None."""
+    return next(
+        (
+            r
+            for r in rows
+            if r["split"] == split
+            and r["metric"] == metric
+            and r["system"] == system
+            and r["baseline"] == baseline
+            and same_setting(r.get("tau"), tau)
+            and same_setting(r.get("window"), window)
+        ),
+        None,
+    )
+
+
+def paired_cell(row: Mapping[str, Any] | None, digits: int = 3) -> str:
+    """A paired difference with its interval, signed (`+0.012 [-0.003, +0.027]`); `-` where none."""
+    if row is None:
+        return "-"
+    return f"{row['mean_diff']:+.{digits}f} [{row['low']:+.{digits}f}, {row['high']:+.{digits}f}]"
