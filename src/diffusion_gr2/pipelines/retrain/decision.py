@@ -30,9 +30,12 @@ def decide_retrain(params: dict[str, Any]) -> dict[str, Any]:
 
 def drift_outputs(retrain_decision: dict[str, Any]) -> dict[str, Any]:
     """drift.json and drift.html of the decided retrain, naming its run; its summary as run tags."""
+    # no report: nothing was delivered (a forced retrain, or one with nothing serving yet), or
+    # retrain.drift is off; the page and the tags still say which
+    why = "retrain.drift.enabled is false" if retrain_decision.get("new_rows") else "no delivered rows"
     report = retrain_decision.get("drift") or {
         "judged": False,
-        "summary": f"no drift report: no delivered rows to compare ({retrain_decision['reason']})",
+        "summary": f"no drift report: {why} ({retrain_decision['reason']})",
     }
     run = mlflow.active_run()
     report = {
