@@ -23,8 +23,8 @@ DECISION = "retrain_decision"  # the dataset: conf/airflow/ writes it to a file 
 
 
 def decide_retrain(params: dict[str, Any]) -> dict[str, Any]:
-    """Retrain on new rows, with no champion yet, or when `retrain.force` (or strong drift below the
-    new-rows minimum); else take the files in, say why. The delivery's drift report rides along."""
+    """Retrain on new rows, with nothing serving yet, or when `retrain.force` (or strong drift below
+    the new-rows minimum); else take the files in, say why. The delivery's drift report rides along."""
     return asdict(decide_from_params(params, False, MlflowClient()))
 
 
