@@ -16,6 +16,7 @@ python -m diffusion_gr2 [kedro run options]                        # anything el
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from pathlib import Path
@@ -175,7 +176,9 @@ def retrain(env: str | None, force: bool, client) -> int:  # noqa: ANN001 (an Ml
 
     The decision is the one the pipeline's first node makes, asked here first so that "nothing new"
     opens no Kedro session and no MLflow run: the incoming files are still taken in, the decision's
-    reason is printed, and nothing is trained or registered. ``--force`` is ``retrain.force=true``.
+    reason is printed, and nothing is trained or registered (status 0; 1, on stderr, when a delivered
+    file was quarantined). A retrain ends with one line: why it ran, the gate's decisions, what serves.
+    ``--force`` is ``retrain.force=true``.
     """
     from kedro.config import OmegaConfigLoader
     from kedro.framework.session import KedroSession
@@ -190,14 +193,69 @@ def retrain(env: str | None, force: bool, client) -> int:  # noqa: ANN001 (an Ml
     force = force or RetrainConfig.from_params(params).force
     decision = decide_from_params(params, force, client)  # the pipeline's node reads the same
     if not decision.retrain:
-        sys.stdout.write(f"{decision.reason}\n")
-        return 0
+        # a delivered file was refused: someone must fix it, so cron and monitors see a failure
+        status = 1 if decision.quarantined else 0
+        (sys.stderr if status else sys.stdout).write(f"{decision.reason}\n")
+        return status
     bootstrap_project(Path.cwd())
     # the pipeline decides again, on the same function: forced there too when forced here
     runtime = {"retrain": {"force": True}} if force else None
+    gate_file = Path(loader["catalog"]["gate_report"]["dataset"]["filepath"])
+    before = _mtime(gate_file)  # a report this retrain did not write is not its answer
     with KedroSession.create(project_path=Path.cwd(), env=env, runtime_params=runtime) as session:
         session.run(pipeline_names=["retrain"])
+    fresh = _mtime(gate_file) not in (None, before)
+    sys.stdout.write(retrained_line(decision.reason, gate_file if fresh else None, client) + "\n")
     return 0
+
+
+def _mtime(path: Path) -> int | None:
+    return path.stat().st_mtime_ns if path.is_file() else None
+
+
+GATE_WORDS = {"promote": "promoted", "refuse": "refused", "not_registered": "not registered"}
+
+
+def retrained_line(reason: str, gate_file: Path | None, client) -> str:  # noqa: ANN001 (an MlflowClient)
+    """A finished retrain's answer: why it ran, what the gate did to each re-ranker (`gate_file`: the
+    report this retrain wrote, None if none), what serves now. A refusal is an answer too: the
+    champion keeps serving, and the status is 0."""
+    from diffusion_gr2.core.tracking import registry
+
+    serving = registry.served_champion(client).line()
+    if gate_file is None:
+        return f"retrained ({reason}); this retrain wrote no gate report; {serving}"
+    gate = json.loads(gate_file.read_text())
+    sides = (
+        (registry.DIFFUSION_MODEL, gate, gate.get("challenger_version")),
+        (registry.TEACHER_MODEL, gate.get("teacher_gate") or {}, gate.get("teacher_version")),
+    )
+    words = ", ".join(
+        f"{name}{f' v{version}' if version else ''} {GATE_WORDS.get(side.get('decision'), 'not gated')}"
+        for name, side, version in sides
+    )
+    return f"retrained ({reason}); gate: {words} ({gate_file}); {serving}"
+
+
+def lineage(target: str, client) -> list[str]:  # noqa: ANN001 (an MlflowClient)
+    """`lineage_lines` of `target`; a champion alias the model lacks is answered with what does serve
+    (the pre-rank or the teacher, when no diffusion model passed the gate), or that nothing does."""
+    from diffusion_gr2.core.tracking import registry
+    from diffusion_gr2.core.tracking.lineage_report import lineage_lines
+
+    try:
+        return lineage_lines(client, target, Path.cwd())
+    except registry.NotFoundError as err:
+        served_models = {f"models:/{name}@{registry.CHAMPION}" for name in registry.SERVING_ORDER}
+        if target not in served_models:  # a wrong name or version: the error says which
+            raise
+        served = registry.served_champion(client).ref
+        hint = (
+            f"{served.name} v{served.version} serves: `lineage models:/{served.name}@{registry.CHAMPION}`"
+            if served
+            else "nothing serves yet: run `make register` after `make run`"
+        )
+        raise registry.NotFoundError(f"{err}; {hint}") from None
 
 
 def show(name: str | None, client) -> int:  # noqa: ANN001 (an MlflowClient)
@@ -254,11 +312,8 @@ def ops(argv: list[str]) -> int:
     # what a command says
     with warnings.catch_warnings(record=True):
         from diffusion_gr2.core.tracking import registry
-        from diffusion_gr2.core.tracking.lineage_report import (
-            MalformedTargetError,
-            check_target,
-            lineage_lines,
-        )
+        from diffusion_gr2.core.tracking.ingest import RetrainLockedError
+        from diffusion_gr2.core.tracking.lineage_report import MalformedTargetError, check_target
     if args.command == "summary":
         sys.stdout.write(summary(args.reporting) + "\n")
         return 0
@@ -269,7 +324,7 @@ def ops(argv: list[str]) -> int:
             return serve(args, _mlflow_client())
         if args.command == "lineage":
             check_target(args.target)  # before the store is opened: a mistyped target creates no mlflow.db
-            lines = lineage_lines(_mlflow_client(), args.target, Path.cwd())
+            lines = lineage(args.target, _mlflow_client())
             sys.stdout.write("\n".join(lines) + "\n")
             return 0
         client = _mlflow_client()
@@ -284,7 +339,7 @@ def ops(argv: list[str]) -> int:
             ref = registry.promote(args.name, args.version, args.reason, client)
         else:
             ref = registry.rollback(args.name, args.to, args.reason, client)
-    except (registry.NotFoundError, MalformedTargetError, NoStoreError) as err:
+    except (registry.NotFoundError, MalformedTargetError, NoStoreError, RetrainLockedError) as err:
         sys.stderr.write(f"{err}\n")
         return 1
     sys.stdout.write(f"{ref.name}@{registry.CHAMPION} -> version {ref.version}\n")

@@ -113,6 +113,25 @@ def test_the_page_is_self_contained_and_marks_each_drifted_check() -> None:
     assert "<tr class='drift'><td>rating</td>" in page and "<tr class='ok'><td>new_items</td>" in page
 
 
+@pytest.mark.parametrize(
+    ("new_rows", "why"), [(0, "no delivered rows"), (12, "retrain.drift.enabled is false")]
+)
+def test_a_retrain_without_a_drift_report_still_writes_its_page(new_rows: int, why: str) -> None:
+    """A retrain with nothing delivered (nothing serving yet, or forced) or with the drift checks off
+    has no report to render: the page says so instead of failing the retrain (issue 58)."""
+    decision = {"retrain": True, "reason": "no champion serves yet", "new_rows": new_rows}
+    out = drift_outputs(decision | {"trigger": "no_champion", "drift": None})
+    report = out["drift_report"]
+    assert report["summary"] == f"no drift report: {why} (no champion serves yet)"
+    assert report["trigger"] == "no_champion" and not report["judged"] and "reference" not in report
+    page = out["drift_html"]
+    assert page.startswith("<!doctype html>") and page.endswith("</html>")
+    assert "<p>No delivered rows: nothing was compared.</p>" in page
+    assert f"<p>no drift report: {why} (no champion serves yet)</p>" in page
+    assert "<tr class=" not in page  # no check rows
+    assert render_html({}).endswith("</html>")  # any report renders
+
+
 # ---- the retrain decision ------------------------------------------------------------------------
 
 

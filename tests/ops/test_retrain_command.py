@@ -72,9 +72,12 @@ def test_the_same_delivery_again_trains_and_registers_nothing(
     (incoming / "ml-100k.again.inter").write_text(held_lines(30))
     (incoming / "ml-100k.broken.inter").write_text(held_lines(3) + "7\tnot-a-row\n")
     raw_before = {p.name: p.read_bytes() for p in embedded_ml100k_folder().iterdir()}
-    assert ops(["retrain"]) == 0
+    assert ops(["retrain"]) == 1  # a quarantined file needs a person: said on stderr, status 1
     assert runs == []
-    assert "no retrain, diffusion-gr2 v1 stays champion" in capsys.readouterr().out
+    assert capsys.readouterr().err == (
+        "nothing new in data/01_raw/incoming (2 file(s): 1 quarantined, the rest already held): "
+        "no retrain, diffusion-gr2 v1 stays champion\n"
+    )
     assert versions() == ["1"]
     report = json.loads((project / "data/08_reporting/retrain/ingest_without_retrain.json").read_text())
     assert not (project / "data/08_reporting/retrain/ingest.json").exists()  # the last retrain's, untouched

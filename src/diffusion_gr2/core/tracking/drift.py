@@ -251,22 +251,37 @@ def _fmt(value: Any) -> str:
     return str(value)
 
 
+def _esc(value: Any) -> str:
+    return html.escape(_fmt(value))
+
+
+def _sides_html(report: dict[str, Any]) -> str:
+    """The table of both sides; a sentence instead when the report has none (a retrain that ran with
+    no delivered rows, e.g. forced or with nothing serving yet, still writes its page)."""
+    present = [side for side in ("reference", "delivery") if isinstance(report.get(side), dict)]
+    if not present:
+        return "<p>No delivered rows: nothing was compared.</p>"
+    columns = ("rows", "users", "items", "first", "last")
+    rows = "".join(
+        f"<tr><th>{side}</th>" + "".join(f"<td>{_esc(report[side].get(k))}</td>" for k in columns) + "</tr>"
+        for side in present
+    )
+    header = "".join(f"<th>{k}</th>" for k in columns)
+    return f"<table><tr><th></th>{header}</tr>{rows}</table>"
+
+
 def render_html(report: dict[str, Any], title: str = "Drift report") -> str:
-    """A self-contained page (inline CSS, no script) of the report: both sides, then one row per check."""
-    esc = lambda value: html.escape(_fmt(value))  # noqa: E731
+    """A self-contained page (inline CSS, no script) of the report: both sides, then one row per check.
+
+    Any report renders, one without a delivery included (no sides, no checks: the page says so).
+    """
     meta = "".join(
-        f"<tr><th>{html.escape(k)}</th><td>{esc(v)}</td></tr>"
+        f"<tr><th>{html.escape(k)}</th><td>{_esc(v)}</td></tr>"
         for k, v in report.items()
         if k not in {"checks", "reference", "delivery"} and not isinstance(v, dict)
     )
-    sides = "".join(
-        f"<tr><th>{side}</th>"
-        + "".join(f"<td>{esc(report[side].get(k))}</td>" for k in ("rows", "users", "items", "first", "last"))
-        + "</tr>"
-        for side in ("reference", "delivery")
-    )
     rows = []
-    for c in report["checks"]:
+    for c in report.get("checks", []):
         detail = c.get("skipped") or "; ".join(
             f"{k}: {_fmt(v)}"
             for k, v in c.items()
@@ -274,9 +289,9 @@ def render_html(report: dict[str, Any], title: str = "Drift report") -> str:
         )
         cls = "drift" if c["drifted"] else "ok"
         rows.append(
-            f"<tr class='{cls}'><td>{c['check']}</td><td>{esc(c.get('statistic'))}</td>"
-            f"<td>{esc(c.get('value'))}</td><td>{esc(c.get('threshold'))}</td>"
-            f"<td>{esc(c.get('p_value'))}</td><td>{'DRIFT' if c['drifted'] else 'ok'}</td>"
+            f"<tr class='{cls}'><td>{c['check']}</td><td>{_esc(c.get('statistic'))}</td>"
+            f"<td>{_esc(c.get('value'))}</td><td>{_esc(c.get('threshold'))}</td>"
+            f"<td>{_esc(c.get('p_value'))}</td><td>{'DRIFT' if c['drifted'] else 'ok'}</td>"
             f"<td>{html.escape(detail)}</td></tr>"
         )
     return (
@@ -288,8 +303,7 @@ def render_html(report: dict[str, Any], title: str = "Drift report") -> str:
         f"<h1>{html.escape(title)}</h1><p>{html.escape(str(report.get('summary', '')))}</p>"
         f"<table>{meta}</table>"
         "<h2>Reference (the champion's training window) and delivery</h2>"
-        "<table><tr><th></th><th>rows</th><th>users</th><th>items</th><th>first</th><th>last</th></tr>"
-        f"{sides}</table><h2>Checks</h2><table><tr><th>check</th><th>statistic</th><th>value</th>"
+        f"{_sides_html(report)}<h2>Checks</h2><table><tr><th>check</th><th>statistic</th><th>value</th>"
         "<th>threshold</th><th>p-value</th><th>verdict</th><th>detail</th></tr>"
         + "".join(rows)
         + "</table></body></html>"

@@ -240,6 +240,19 @@ def _target_version(client: MlflowClient, target: str) -> ModelVersion:
     return model_version(client, match["name"], match["version"])
 
 
+def _no_model_folder(name: str, version: str, tags: dict[str, str], run_id: str | None) -> str:
+    """The line for a version with no model folder on record: the pre-rank (the retriever's order has
+    no weights) or a version registered outside a Kedro run; where its catalogue's run is."""
+    if tags.get("system") == "prerank":
+        why = f"{name} v{version} is the retriever's order: no model folder, no weights"
+    else:
+        why = (
+            f"{name} v{version} has no model folder on record "
+            "(no lineage.model tags: registered outside a Kedro run)"
+        )
+    return why + (f"; the run that registered it: `lineage {run_id}`" if run_id else "")
+
+
 def resolve_target(client: MlflowClient, target: str) -> tuple[list[str], str, dict[str, dict[str, Any]]]:
     """Header lines, the run to start in, and the starting artifacts (``name -> {path, digest}``)."""
     check_target(target)
@@ -251,13 +264,16 @@ def resolve_target(client: MlflowClient, target: str) -> tuple[list[str], str, d
             f"run {mv.run_id}  system {tags.get('system', '?')}  tau {tags.get('operating_point.tau', '?')}  "
             f"window {tags.get('operating_point.window', '?')}  gate {tags.get('gate.decision', '-')}"
         ]
+        run_id = tags.get("lineage.model.run_id") or mv.run_id
+        if not tags.get("lineage.model.digest"):  # nothing to walk back from: say why, not "[in memory]"
+            return [*header, _no_model_folder(mv.name, mv.version, tags, run_id)], run_id, {}
         start = {
             tags.get("lineage.model.name", "model"): {
                 "path": tags.get("lineage.model.path"),
                 "digest": tags.get("lineage.model.digest"),
             }
         }
-        return header, tags.get("lineage.model.run_id", mv.run_id), start
+        return header, run_id, start
     get_run(client, target)  # a wrong id would otherwise read as a run with no node records
     lineage = Lineage(client, Path.cwd())
     records = lineage.records(target)
@@ -276,6 +292,8 @@ def lineage_lines(client: MlflowClient, target: str, root: Path | None = None) -
     header, run_id, start = resolve_target(client, target)
     lineage = Lineage(client, root or Path.cwd())
     lines = list(header)
+    if not start:  # nothing recorded to walk (the header says why): no hash to compare either
+        return lines
     for name, entry in sorted(start.items()):
         lines += list(walk(lineage, name, entry, run_id, 0))
     changed = sum("CHANGED" in line or "MISSING" in line for line in lines)

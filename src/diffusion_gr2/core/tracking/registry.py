@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 import mlflow
 import pandas as pd
 from mlflow import MlflowClient
+from mlflow.entities.model_registry import ModelVersion
 from mlflow.exceptions import MlflowException
 
 from diffusion_gr2.core.tracking.mlflow_utils import NotFoundError, model_version, registered_model
@@ -51,6 +52,7 @@ __all__ = [
     "VersionRef",
     "alias_version",
     "download_version",
+    "model_label",
     "promote",
     "register_reranker",
     "resolve_uri",
@@ -274,6 +276,13 @@ def version_summary(name: str, client: MlflowClient | None = None) -> list[dict[
     return sorted(rows, key=lambda r: -int(r["version"]))
 
 
+def model_label(name: str) -> str:
+    """What a registered model of `SERVING_ORDER` is, in words."""
+    return {DIFFUSION_MODEL: "the diffusion re-ranker", TEACHER_MODEL: "the AR teacher"}.get(
+        name, "the retriever's order (pre-rank)"
+    )
+
+
 @dataclass(frozen=True)
 class Served:
     """What `make serve` serves: a champion version (None when the registry has none) and why."""
@@ -284,10 +293,24 @@ class Served:
     def line(self) -> str:
         if self.ref is None:
             return f"nothing to serve: {self.reason}"
-        label = {DIFFUSION_MODEL: "the diffusion re-ranker", TEACHER_MODEL: "the AR teacher"}.get(
-            self.ref.name, "the retriever's order (pre-rank)"
-        )
-        return f"serving {self.ref.name} v{self.ref.version} ({label}): {self.reason}"
+        return f"serving {self.ref.name} v{self.ref.version} ({model_label(self.ref.name)}): {self.reason}"
+
+
+def _newest(name: str, client: MlflowClient) -> ModelVersion | None:
+    """The newest version of `name`, None when it has none."""
+    versions = client.search_model_versions(f"name = '{name}'")
+    return max(versions, key=lambda mv: int(mv.version), default=None)
+
+
+def _refused_since(champion: VersionRef, client: MlflowClient) -> str:
+    """A note when a version newer than the champion was refused by the gate, else ""."""
+    newest = _newest(champion.name, client)
+    if newest is None or int(newest.version) <= int(champion.version):
+        return ""
+    if newest.tags.get("gate.decision") != "refuse":
+        return ""
+    reasons = newest.tags.get("gate.reasons", "")[:200]
+    return f"; {champion.name} v{newest.version} was refused by the gate: {reasons}"
 
 
 def _why_not(name: str, client: MlflowClient) -> str:
@@ -296,9 +319,7 @@ def _why_not(name: str, client: MlflowClient) -> str:
         registered_model(client, name)
     except NotFoundError:
         return f"{name} has no version"
-    newest = max(
-        client.search_model_versions(f"name = '{name}'"), key=lambda mv: int(mv.version), default=None
-    )
+    newest = _newest(name, client)
     if newest is None:
         return f"{name} has no version"
     decision = newest.tags.get("gate.decision")
@@ -317,6 +338,6 @@ def served_champion(client: MlflowClient | None = None) -> Served:
         ref = alias_version(name, CHAMPION, client)
         if ref is not None:
             why = "its champion" if not skipped else "; ".join(skipped)
-            return Served(ref, why)
+            return Served(ref, why + _refused_since(ref, client))
         skipped.append(_why_not(name, client))
     return Served(None, "; ".join(skipped) + " (run `make register` after `make run`)")

@@ -1,10 +1,11 @@
 """Whether a retrain has anything to do (DESIGN §9): the one decision every way of starting one makes.
 
 A retrain runs when the incoming folder holds rows the raw folder lacks, when no champion serves yet
-(a first retrain is the full recipe), or when forced. Otherwise the same delivery twice must change
-nothing: the files are still taken in (duplicates to ``done/``, bad files to quarantine, under the
-retrain lock), their report goes to ``ingest_without_retrain.json`` (the last retrain's ``ingest.json``
-is an input on its lineage record and stays as it was), and nothing is trained or registered.
+(a first retrain is the full recipe), or when forced; the pre-rank's or the teacher's champion serves
+too. Otherwise the same delivery twice must change nothing: the files are still taken in
+(duplicates to ``done/``, bad files to quarantine, under the retrain lock), their report goes to
+``ingest_without_retrain.json`` (the last retrain's ``ingest.json`` is an input on its lineage record
+and stays as it was), and nothing is trained or registered.
 
 `python -m diffusion_gr2 retrain` asks before it opens a Kedro session; the retrain pipeline's first
 node (`decide_retrain`) asks again, so a plain ``kedro run --pipelines retrain`` and the Airflow DAG
@@ -106,6 +107,8 @@ class RetrainDecision:
     # minimum) | waiting (new rows below the minimum, left in incoming/) | nothing_new
     trigger: str
     drift: dict[str, Any] | None  # the drift report (`core.tracking.drift`); None: off or nothing new
+    # files this decision moved to quarantine (nothing new only): a delivery a person must look at
+    quarantined: int = 0
 
 
 def _reference_files(raw_folder: Path, client: MlflowClient, champion: str | None) -> tuple[list[Path], str]:
@@ -173,14 +176,17 @@ def decide_retrain(
     drift: DriftConfig | None = None,
     min_new_rows: int = 1,
 ) -> RetrainDecision:
-    """Retrain on new rows, with no champion, or when `force`; else take the files in and say why not.
+    """Retrain on new rows, with nothing serving, or when `force`; else take the files in and say why not.
 
+    Any champion counts as serving, the pre-rank's and the teacher's included: on the same data a
+    retrain trains the same models, so nightly runs with nothing new would refuse them again.
     Deciding to retrain moves nothing (a dry run): the pipeline's own ingest takes the files in. With
     `drift`, the delivery is compared with the champion's training window; under `min_new_rows` new
     rows the files wait in the incoming folder unless strong drift forces a retrain.
     """
     champion = registry.alias_version(registry.DIFFUSION_MODEL, registry.CHAMPION, client)
     version = champion.version if champion else None
+    served = registry.served_champion(client).ref
     if drift is not None:
         pending, report = delivery_drift(config, drift, client, version)
     else:
@@ -190,7 +196,7 @@ def decide_retrain(
     floor = max(min_new_rows, 1)
     rules = [
         ("forced", "forced", force),
-        ("no_champion", "no champion serves yet", champion is None),  # a first retrain: the full recipe
+        ("no_champion", "no champion serves yet", served is None),  # a first retrain: the full recipe
         ("new_rows", f"{new_rows} new rows in {config.incoming_dir}", new_rows >= floor),
         (
             "drift",
@@ -203,23 +209,59 @@ def decide_retrain(
     if trigger is not None:
         logger.info("retrain: %s%s", reason, drift_note)
         return RetrainDecision(True, reason + drift_note, new_rows, version, force, trigger, report)
+    assert served is not None  # the no_champion rule held otherwise
     if new_rows > 0:  # below the minimum: the files stay where they are and count with the next ones
         reason = (
             f"{new_rows} new rows in {config.incoming_dir} < min_new_rows {floor}: they wait there for "
-            f"more, {registry.DIFFUSION_MODEL} v{version} stays champion{drift_note}"
+            f"more, {_stays(served)}{drift_note}"
         )
         logger.info("%s", reason)
         return RetrainDecision(False, reason, new_rows, version, False, "waiting", report)
+    return _take_in_without_retrain(config, lock_file, report_file, served, version)
+
+
+def _stays(served: registry.VersionRef) -> str:
+    """The words for the champion that keeps serving; what it is, when not the diffusion re-ranker."""
+    if served.name == registry.DIFFUSION_MODEL:
+        return f"{served.name} v{served.version} stays champion"
+    return f"{served.name} v{served.version} ({registry.model_label(served.name)}) stays champion"
+
+
+def _delivery_words(report: dict[str, Any], config: IngestConfig) -> str:
+    """What the incoming folder held, from the ingest's report: nothing, only refused files, or
+    files whose rows the raw folder already holds (some perhaps refused)."""
+    files, quarantined = len(report["files"]), int(report["quarantined"])
+    if files == 0:
+        return f"no delivery in {config.incoming_dir}"
+    if quarantined == files:
+        return (
+            f"every file delivered to {config.incoming_dir} was quarantined ({files} file(s), each "
+            f"beside its .reason.txt in {config.quarantine_dir})"
+        )
+    return (
+        f"nothing new in {config.incoming_dir} ({files} file(s): {quarantined} quarantined, "
+        "the rest already held)"
+    )
+
+
+def _take_in_without_retrain(
+    config: IngestConfig,
+    lock_file: str | Path,
+    report_file: str | Path,
+    served: registry.VersionRef,
+    version: str | None,
+) -> RetrainDecision:
+    """Nothing new and a champion serving: take the files in under the lock (duplicates to done/, bad
+    files to quarantine), write the report, and say why nothing is retrained."""
     acquire_lock(lock_file)
     try:
         report = ingest(config)
     finally:
         release_lock(lock_file)
     atomic_write_text(report_file, json.dumps(report, indent=2))
-    reason = (
-        f"nothing new in {config.incoming_dir} ({len(report['files'])} file(s): "
-        f"{report['quarantined']} quarantined, the rest already held): no retrain, "
-        f"{registry.DIFFUSION_MODEL} v{version} stays champion"
-    )
+    reason = f"{_delivery_words(report, config)}: no retrain, {_stays(served)}"
+    if served.name != registry.DIFFUSION_MODEL:  # no diffusion champion: say how to try again
+        reason += " (on the same data a retrain trains the same models: `retrain --force` to run one anyway)"
     logger.info("%s", reason)
-    return RetrainDecision(False, reason, 0, version, False, "nothing_new", None)
+    quarantined = int(report["quarantined"])
+    return RetrainDecision(False, reason, 0, version, False, "nothing_new", None, quarantined)

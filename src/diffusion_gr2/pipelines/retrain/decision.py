@@ -23,16 +23,19 @@ DECISION = "retrain_decision"  # the dataset: conf/airflow/ writes it to a file 
 
 
 def decide_retrain(params: dict[str, Any]) -> dict[str, Any]:
-    """Retrain on new rows, with no champion yet, or when `retrain.force` (or strong drift below the
-    new-rows minimum); else take the files in, say why. The delivery's drift report rides along."""
+    """Retrain on new rows, with nothing serving yet, or when `retrain.force` (or strong drift below
+    the new-rows minimum); else take the files in, say why. The delivery's drift report rides along."""
     return asdict(decide_from_params(params, False, MlflowClient()))
 
 
 def drift_outputs(retrain_decision: dict[str, Any]) -> dict[str, Any]:
     """drift.json and drift.html of the decided retrain, naming its run; its summary as run tags."""
+    # no report: nothing was delivered (a forced retrain, or one with nothing serving yet), or
+    # retrain.drift is off; the page and the tags still say which
+    why = "retrain.drift.enabled is false" if retrain_decision.get("new_rows") else "no delivered rows"
     report = retrain_decision.get("drift") or {
         "judged": False,
-        "summary": f"no drift report: no delivered rows to compare ({retrain_decision['reason']})",
+        "summary": f"no drift report: {why} ({retrain_decision['reason']})",
     }
     run = mlflow.active_run()
     report = {
