@@ -5,6 +5,7 @@ refusal naming why."""
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import replace
 
 import numpy as np
@@ -12,10 +13,11 @@ import pandas as pd
 import pytest
 
 from diffusion_gr2.core.evaluate.metrics import paired_bootstrap
-from diffusion_gr2.core.evaluate.policy import Policy
+from diffusion_gr2.core.evaluate.policy import TOLERANCE, Policy
 from diffusion_gr2.core.rank.operating_point import (
     PRERANK,
     OperatingPointError,
+    accuracy_refusals,
     choose_operating_point,
     floor_screen,
     meets_accuracy_gates,
@@ -219,3 +221,64 @@ def test_resolve_reads_the_choice_and_refuses_clearly() -> None:
         resolve_operating_point(points, "opd")
     with pytest.raises(OperatingPointError, match="no entry for it"):
         resolve_operating_point(None, "rl")
+
+
+# --- each bar of the serving policy (conf/base's values: `Policy()`) at its bound ------------------
+
+
+def _at(figure: str, value: float) -> dict:
+    """A candidate that clears every bar of `Policy()` by far, with `figure` set to `value`."""
+    row = _row(0.9, None, 0.0, 1500.0, own=0.9) | {f"{PRE}.low": 0.0}
+    row["speedup_vs_ar_rl_by_batch"]["1"]["speedup"] = 2.0
+    if figure == "speedup":
+        row["speedup_vs_ar_rl_by_batch"]["1"]["speedup"] = value
+    else:
+        row[figure] = value
+    return row
+
+
+BARS = [  # (figure, its bar under Policy(): every one exact in binary or the policy's own negation)
+    (f"{KEY}.low", -Policy().choice_margin),
+    (f"{PRE}.low", -Policy().prerank_margin),
+    ("unforced_rate", Policy().min_unforced_rate),
+    ("speedup", Policy().min_speed_ratio),
+]
+
+
+@pytest.mark.parametrize(("figure", "bar"), BARS)
+def test_every_bar_admits_a_figure_exactly_at_it_and_refuses_one_below(figure: str, bar: float) -> None:
+    """`>=`, not `>`: the figure at the bar is served, and so is the lowest the tolerance admits
+    (`bar - TOLERANCE`, the policy's own arithmetic); the next float below is refused."""
+    assert (Policy().choice_margin, Policy().prerank_margin) == (0.03, 0.05)
+    assert (Policy().min_unforced_rate, Policy().min_speed_ratio) == (0.5, 1.0)
+    for value in (bar, bar - TOLERANCE):
+        assert choose_operating_point([_at(figure, value)], 0.2, Policy())["tau"] == 0.9, value
+    below = np.nextafter(bar - TOLERANCE, -math.inf)
+    with pytest.raises(OperatingPointError, match="refused: tau 0.9, window None: "):
+        choose_operating_point([_at(figure, below)], 0.2, Policy())
+
+
+def test_a_setting_that_loses_to_the_pre_rank_is_refused_however_close_to_ar_rl() -> None:
+    """Non-inferior to ar_rl (its bound at 0) but shown to lose more than the margin to the
+    retriever's own order: not served; the reason names the pre-rank's figure."""
+    worse = _at(f"{PRE}.low", -0.08)
+    assert accuracy_refusals(worse, Policy()) == [f"{PRE}.low -0.080 < -0.050"]
+    with pytest.raises(
+        OperatingPointError, match=rf"one against prerank with a lower bound >= -0\.050.*{PRE}\.low"
+    ):
+        choose_operating_point([worse], 0.2, Policy())
+    fine = _at(f"{PRE}.low", -0.04)
+    assert choose_operating_point([worse, fine], 0.2, Policy())["chosen"] == fine
+    unpaired = {k: v for k, v in fine.items() if not k.startswith(PRE)}
+    assert accuracy_refusals(unpaired, Policy()) == [f"no {PRE}.low (paired with prerank: paired_recall)"]
+
+
+def test_a_candidate_without_an_own_valid_figure_is_refused_naming_it() -> None:
+    """No `.get(..., 1.0)`: a missing own valid rate refuses even under a floor of 0."""
+    blind = {k: v for k, v in _row(0.9, None, 0.0, 1500.0).items() if k != "unforced_rate"}
+    reason = "no unforced_rate (the own valid rate of the free pass)"
+    assert accuracy_refusals(blind, LOOSE) == [reason]
+    assert not meets_accuracy_gates(blind, LOOSE)
+    with pytest.raises(OperatingPointError, match=re.escape(f"tau 0.9, window None: {reason}")):
+        choose_operating_point([blind], 0.2, LOOSE)
+    assert choose_operating_point([blind, TABLE[0]], 0.2, LOOSE)["chosen"] == TABLE[0]  # the other serves
