@@ -44,6 +44,7 @@ from diffusion_gr2.core.evaluate.metrics import (
     system_metrics,
     user_values,
 )
+from diffusion_gr2.core.evaluate.policy import Policy
 from diffusion_gr2.core.model.factory import load_model
 from diffusion_gr2.core.rank.rerank import (
     SID_SCOPES,
@@ -55,6 +56,7 @@ from diffusion_gr2.core.rank.rerank import (
 )
 
 ROOT = Path(__file__).resolve().parents[1]
+LEVEL = Policy().level  # the serving policy's interval level (conf/base's `policy.level`)
 
 
 def main() -> None:
@@ -144,8 +146,12 @@ def main() -> None:
                     diff = None
                     users = frame["user_id"].to_numpy()
                     if first is not hits:
-                        diff = paired_bootstrap(hits, first, groups=users)
-                    vs_ref = None if ref_hits is None else paired_bootstrap(hits, ref_hits, groups=users)
+                        diff = paired_bootstrap(hits, first, level=LEVEL, groups=users)
+                    vs_ref = (
+                        None
+                        if ref_hits is None
+                        else paired_bootstrap(hits, ref_hits, level=LEVEL, groups=users)
+                    )
                     tokens = int(frame["output_tokens"].sum())
                     grounded = reasoning_values(frame, contexts, len)["grounded_rate"].mean()
                     row = {

@@ -22,6 +22,9 @@ import numpy as np
 import pandas as pd
 
 from diffusion_gr2.core.evaluate.metrics import paired_bootstrap
+from diffusion_gr2.core.evaluate.policy import Policy
+
+LEVEL = Policy().level  # the gate's interval level (conf/base's `policy.level`, tests/test_config.py)
 
 
 def measured(rankings: Path, a: str, b: str) -> tuple[float, float]:
@@ -55,7 +58,7 @@ def simulate(
         draw = rng.choice(4, size=n, p=cells)
         a = np.isin(draw, (0, 1)).astype(float)
         b = np.isin(draw, (0, 2)).astype(float)
-        passed += paired_bootstrap(a, b, n_boot=n_boot, seed=k).low >= -margin
+        passed += paired_bootstrap(a, b, n_boot=n_boot, seed=k, level=LEVEL).low >= -margin
     return passed / sims
 
 

@@ -24,6 +24,7 @@ import torch
 from transformers import AutoTokenizer
 
 from diffusion_gr2.core.bench.benchmark import ranked_speed, time_candidates
+from diffusion_gr2.core.evaluate.policy import Policy
 from diffusion_gr2.core.model.factory import load_model
 from diffusion_gr2.core.rank.point_search import OperatingPointConfig
 from diffusion_gr2.core.rank.rerank import RerankConfig, request_grammars, select_requests
@@ -44,7 +45,9 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     params = file_parameters(args.params)["inference"]
-    point = OperatingPointConfig.from_params(params["operating_point"])
+    # the policy of the same environment (its bars do not enter the timing; the config holds them)
+    policy = Policy.from_params(file_parameters(args.params.with_name("parameters_policy.yml"))["policy"])
+    point = OperatingPointConfig.from_params(params["operating_point"], policy)
     bench = point.timing
     tokenizer = AutoTokenizer.from_pretrained(args.models / "tokenizer", local_files_only=True)
     valid = select_requests(pd.read_parquet(args.requests), "valid", bench.n_prompts)

@@ -134,6 +134,7 @@ def _typed_configs(params: dict[str, Any]) -> dict[type, list[str]]:
     from diffusion_gr2.core.bench.benchmark import BenchmarkConfig
     from diffusion_gr2.core.data.prepare import PrepConfig
     from diffusion_gr2.core.decode.config import DecodeConfig
+    from diffusion_gr2.core.evaluate.policy import Policy
     from diffusion_gr2.core.evaluate.rankings import EvaluationConfig
     from diffusion_gr2.core.model.factory import ModelSpec
     from diffusion_gr2.core.rank.rerank import RerankConfig
@@ -164,6 +165,7 @@ def _typed_configs(params: dict[str, Any]) -> dict[type, list[str]]:
         DecodeConfig: ["inference.decoding"],  # the settings decode_config_for copies from RerankConfig
         BenchmarkConfig: ["benchmark.timing"],
         EvaluationConfig: ["evaluation"],
+        Policy: ["policy"],
         PrepConfig: ["data_prep"],
         RQVAEConfig: ["semantic_ids.rqvae"],
         RetrieverConfig: ["retrieval.retriever"],

@@ -62,9 +62,9 @@ def test_refused_rl_and_teacher_end_serving_the_prerank(dag_run: Path, tmp_path:
         (root / "data/08_reporting/operating_point.json").write_text(
             json.dumps({SERVED_DIFFUSION: {"tau": None, "window": None, "refused": refusal}})
         )
-        conf = root / "conf/smoke/parameters_retrain.yml"
+        conf = root / "conf/smoke/parameters_policy.yml"
         params = yaml.safe_load(conf.read_text())
-        params["retrain"]["gate"]["min_unforced_rate"] = 1.01  # no teacher can pass: refused, forced
+        params["policy"]["min_unforced_rate"] = 1.0  # no untrained teacher can pass: refused, forced
         conf.write_text(yaml.safe_dump(params))
         summary = subprocess.run(
             [sys.executable, "-m", "diffusion_gr2", "summary"], cwd=root, capture_output=True, text=True

@@ -37,20 +37,30 @@ def _params(sweep_max_requests: int | None) -> dict[str, Any]:
         "valid_sweep": ["cft"],
         "taus": [0.9, 0.5],
         "taus_by_system": {},
-        "operating_point": {  # every key (no defaults in code): no floors, the least timing
+        "operating_point": {  # every key (no defaults in code): no screen, the least timing
             "systems": ["rl"],
             "reference": "ar_rl",
-            "budget": 1.0,  # untrained models: every setting qualifies, the fastest is served
             "n_boot": 1000,
-            "min_unforced_rate": None,
             "floor_screen": None,
-            "min_speed_ratio": None,
             "speed_batch_size": 1,
             "taus": [0.5],
             "windows": [None],
             "timing": {"n_prompts": 2, "batch_sizes": [1], "rounds": 1, "min_calls": 1, "warmup": 0},
         },
         "decoding": {"max_new_tokens": 8, "batch_size": 4, "constrained": False, "device": "cpu"},
+    }
+
+
+def _policy() -> dict[str, Any]:
+    """`params:policy` with every bar open: untrained models, every setting qualifies, the fastest
+    is served (each test closes the bar it is about)."""
+    return {
+        "level": 0.95,
+        "min_unforced_rate": 0.0,
+        "min_speed_ratio": 0.0,
+        "choice_margin": 1.0,
+        "gate_margin": 1.0,
+        "prerank_margin": 1.0,
     }
 
 
@@ -61,19 +71,20 @@ def _n_by_pass(rows: pd.DataFrame) -> dict[tuple[str, float | None], int]:
 def test_sweep_cap_applies_to_the_sweep_rows_only(world) -> None:
     tokenizer, requests = world
     params = _params(CAP)
+    policy = _policy()
     ar_model = tiny_model_for(tokenizer)
-    ar = make_rerank_node("ar_rl")(ar_model, requests, tokenizer, params)
+    ar = make_rerank_node("ar_rl")(ar_model, requests, tokenizer, params, policy)
     diffusion = tiny_model_for(tokenizer, block_size=4)
-    served = make_rerank_node("rl")(diffusion, requests, tokenizer, params, ar, ar_model)
-    swept = make_rerank_node("cft")(diffusion, requests, tokenizer, params, ar, ar_model)
+    served = make_rerank_node("rl")(diffusion, requests, tokenizer, params, policy, ar, ar_model)
+    swept = make_rerank_node("cft")(diffusion, requests, tokenizer, params, policy, ar, ar_model)
     assert served["operating_point"]["tau"] == 0.5 and swept["operating_point"] is None
     floor = rerank_prerank(requests, params)
     assert _n_by_pass(floor) == _n_by_pass(ar) == {("valid", None): N_USERS, ("test", None): N_USERS}
     # ar_sft is not the reference the headline pairs with: capped like the sweep on test, and not in
     # valid_sweep: no validation rows
-    sft = make_rerank_node("ar_sft")(tiny_model_for(tokenizer), requests, tokenizer, params)
+    sft = make_rerank_node("ar_sft")(tiny_model_for(tokenizer), requests, tokenizer, params, policy)
     assert _n_by_pass(sft) == {("test", None): CAP}
-    opd = make_rerank_node("opd")(diffusion, requests, tokenizer, params, ar, ar_model)
+    opd = make_rerank_node("opd")(diffusion, requests, tokenizer, params, policy, ar, ar_model)
     assert _n_by_pass(opd["rankings"]) == {("test", 0.9): CAP, ("test", 0.5): CAP}
     # rl: its candidate (tau 0.5) on every validation request, paired with ar_rl's; on test tau 0.9
     # is sweep (capped), tau 0.5 its served operating point (every request)
@@ -101,20 +112,22 @@ def test_a_candidate_far_below_the_own_valid_floor_stops_at_the_screen(world) ->
     0.5 the candidate decodes only the screen's first requests on validation and is refused."""
     tokenizer, requests = world
     params = _params(CAP)
-    params["operating_point"] |= {"min_unforced_rate": 0.5, "floor_screen": {"requests": 2, "z": 1.0}}
+    policy = _policy()
+    policy["min_unforced_rate"] = 0.5
+    params["operating_point"]["floor_screen"] = {"requests": 2, "z": 1.0}
     ar_model = tiny_model_for(tokenizer)
-    ar = make_rerank_node("ar_rl")(ar_model, requests, tokenizer, params)
+    ar = make_rerank_node("ar_rl")(ar_model, requests, tokenizer, params, policy)
     diffusion = tiny_model_for(tokenizer, block_size=4)
-    result = make_rerank_node("rl")(diffusion, requests, tokenizer, params, ar, ar_model)
+    result = make_rerank_node("rl")(diffusion, requests, tokenizer, params, policy, ar, ar_model)
     point = result["operating_point"]
     assert point["tau"] is None and "own valid rate >= 0.50" in point["refused"]
     (candidate,) = point["candidates"]
     assert candidate["n"] == 2 and candidate["recall@1_vs_ar_rl.n"] == 2
     assert candidate["floor_screen"] == {"n": 2, "own_valid_upper": pytest.approx(1 / 3), "passed": False}
     assert _n_by_pass(result["rankings"])[("valid", 0.5)] == 2
-    # Without a floor the screen has nothing to test against: every validation request is decoded.
-    params["operating_point"]["min_unforced_rate"] = None
-    full = make_rerank_node("rl")(diffusion, requests, tokenizer, params, ar, ar_model)
+    # At a floor of 0 no upper bound falls under it: every validation request is decoded.
+    policy["min_unforced_rate"] = 0.0
+    full = make_rerank_node("rl")(diffusion, requests, tokenizer, params, policy, ar, ar_model)
     assert _n_by_pass(full["rankings"])[("valid", 0.5)] == N_USERS
 
 
@@ -123,31 +136,37 @@ def test_each_candidate_holds_its_paired_interval_against_the_reference(world) -
     paired bootstrap interval; the rule reads its lower bound."""
     tokenizer, requests = world
     params = _params(CAP)
+    policy = _policy()
     params["operating_point"] |= {"windows": [None, 2], "n_boot": 50}
     ar_model = tiny_model_for(tokenizer)
-    ar = make_rerank_node("ar_rl")(ar_model, requests, tokenizer, params)
+    ar = make_rerank_node("ar_rl")(ar_model, requests, tokenizer, params, policy)
     diffusion = tiny_model_for(tokenizer, block_size=4)
-    point = make_rerank_node("rl")(diffusion, requests, tokenizer, params, ar, ar_model)["operating_point"]
+    point = make_rerank_node("rl")(diffusion, requests, tokenizer, params, policy, ar, ar_model)[
+        "operating_point"
+    ]
     key = "recall@1_vs_ar_rl"
     for c in point["candidates"]:
         assert c[f"{key}.n"] == N_USERS and c[f"{key}.low"] <= c[key] <= c[f"{key}.high"]
         assert c[f"{key}.half_width"] == pytest.approx((c[f"{key}.high"] - c[f"{key}.low"]) / 2)
         assert c[key] == pytest.approx(c["recall@1"] - point["reference_recall@1"])
-    assert point["chosen"][f"{key}.low"] >= -params["operating_point"]["budget"]
+    assert point["chosen"][f"{key}.low"] >= -policy["choice_margin"]
 
 
 def test_the_operating_point_ranks_candidates_by_their_timed_speed(world) -> None:
     """With `timing`, each candidate's tokens/s is the geometric mean of its timed batch sizes."""
     tokenizer, requests = world
     params = _params(None)
+    policy = _policy()
     params["operating_point"] |= {
         "windows": [None, 2],
         "timing": {"n_prompts": 3, "batch_sizes": [1, 2], "rounds": 1, "min_calls": 1, "warmup": 0},
     }
     ar_model = tiny_model_for(tokenizer)
-    ar = make_rerank_node("ar_rl")(ar_model, requests, tokenizer, params)
+    ar = make_rerank_node("ar_rl")(ar_model, requests, tokenizer, params, policy)
     diffusion = tiny_model_for(tokenizer, block_size=4)
-    point = make_rerank_node("rl")(diffusion, requests, tokenizer, params, ar, ar_model)["operating_point"]
+    point = make_rerank_node("rl")(diffusion, requests, tokenizer, params, policy, ar, ar_model)[
+        "operating_point"
+    ]
     assert len(point["candidates"]) == 2
     for c in point["candidates"]:
         by_batch = c["tokens_per_s_by_batch"]
@@ -163,13 +182,13 @@ def test_the_operating_point_ranks_candidates_by_their_timed_speed(world) -> Non
     # The speed floor reads the timed batch-1 speed-up: one no setting can reach refuses them all,
     # and a batch size the timing did not run cannot show a candidate faster than the reference.
     for floor, batch in ((1000.0, 1), (0.0, 16)):
-        params["operating_point"] |= {"min_speed_ratio": floor, "speed_batch_size": batch}
-        refused = make_rerank_node("rl")(diffusion, requests, tokenizer, params, ar, ar_model)[
+        policy["min_speed_ratio"], params["operating_point"]["speed_batch_size"] = floor, batch
+        refused = make_rerank_node("rl")(diffusion, requests, tokenizer, params, policy, ar, ar_model)[
             "operating_point"
         ]
         assert refused["tau"] is None and f"at batch {batch}" in refused["refused"]
-    params["operating_point"] |= {"min_speed_ratio": 0.0, "speed_batch_size": 1}
-    floor_zero = make_rerank_node("rl")(diffusion, requests, tokenizer, params, ar, ar_model)[
+    policy["min_speed_ratio"], params["operating_point"]["speed_batch_size"] = 0.0, 1
+    floor_zero = make_rerank_node("rl")(diffusion, requests, tokenizer, params, policy, ar, ar_model)[
         "operating_point"
     ]
     assert floor_zero["tau"] is not None and floor_zero["speed_batch_size"] == 1
@@ -179,22 +198,23 @@ def test_only_candidates_that_meet_the_accuracy_gates_are_timed(world, caplog) -
     """A candidate refused on the R@1 budget or the own-valid floor can never be served: not timed."""
     tokenizer, requests = world
     params = _params(None)
+    policy = _policy()
     timing = {"n_prompts": 3, "batch_sizes": [1], "rounds": 1, "min_calls": 1, "warmup": 0}
     params["operating_point"] |= {"windows": [None, 2], "timing": timing}
     ar_model = tiny_model_for(tokenizer)
-    ar = make_rerank_node("ar_rl")(ar_model, requests, tokenizer, params)
+    ar = make_rerank_node("ar_rl")(ar_model, requests, tokenizer, params, policy)
     diffusion = tiny_model_for(tokenizer, block_size=4)
     node = make_rerank_node("rl")
     # An own-valid floor no untrained model reaches: both refused, neither timed, the reason says so.
-    params["operating_point"]["min_unforced_rate"] = 1.01
+    policy["min_unforced_rate"] = 1.0
     with caplog.at_level("INFO"):
-        point = node(diffusion, requests, tokenizer, params, ar, ar_model)["operating_point"]
-    assert point["tau"] is None and "own valid rate >= 1.01" in point["refused"]
+        point = node(diffusion, requests, tokenizer, params, policy, ar, ar_model)["operating_point"]
+    assert point["tau"] is None and "own valid rate >= 1.00" in point["refused"]
     assert all("tokens_per_s_by_batch" not in c and "timed_prompts" not in c for c in point["candidates"])
-    assert "not timed (R@1 budget or own-valid floor missed" in caplog.text
-    # The budget admits every setting again: all are timed, in the same rounds.
-    params["operating_point"]["min_unforced_rate"] = None
-    point = node(diffusion, requests, tokenizer, params, ar, ar_model)["operating_point"]
+    assert "not timed (an R@1 margin or the own-valid floor missed" in caplog.text
+    # The bars admit every setting again: all are timed, in the same rounds.
+    policy["min_unforced_rate"] = 0.0
+    point = node(diffusion, requests, tokenizer, params, policy, ar, ar_model)["operating_point"]
     assert all(
         c["timed_prompts"] == 3 and set(c["tokens_per_s_by_batch"]) == {"1"} for c in point["candidates"]
     )
@@ -205,22 +225,28 @@ def test_without_the_reference_model_nothing_is_timed_and_nothing_chosen(world, 
     candidates are not ranked by their validation passes' wall clock but refused, saying why."""
     tokenizer, requests = world
     params = _params(None)
-    ar = make_rerank_node("ar_rl")(tiny_model_for(tokenizer), requests, tokenizer, params)
+    policy = _policy()
+    ar = make_rerank_node("ar_rl")(tiny_model_for(tokenizer), requests, tokenizer, params, policy)
     with caplog.at_level("WARNING"):
         result = make_rerank_node("rl")(
-            tiny_model_for(tokenizer, block_size=4), requests, tokenizer, params, ar
+            tiny_model_for(tokenizer, block_size=4), requests, tokenizer, params, policy, ar
         )
     point = result["operating_point"]
     assert point["tau"] is None and "ar_rl's model was not given" in point["refused"]
     assert all("timed_prompts" not in c for c in point["candidates"])
     assert "cannot be timed beside it" in caplog.text
     # no reference at all: nothing to pair with, refused before any gate
-    alone = make_rerank_node("rl")(tiny_model_for(tokenizer, block_size=4), requests, tokenizer, params)
+    alone = make_rerank_node("rl")(
+        tiny_model_for(tokenizer, block_size=4), requests, tokenizer, params, policy
+    )
     assert "no validation rankings of the reference" in alone["operating_point"]["refused"]
 
 
 def test_without_a_cap_every_pass_answers_every_request(world) -> None:
     tokenizer, requests = world
     params = _params(None)
-    rows = make_rerank_node("cft")(tiny_model_for(tokenizer, block_size=4), requests, tokenizer, params)
+    policy = _policy()
+    rows = make_rerank_node("cft")(
+        tiny_model_for(tokenizer, block_size=4), requests, tokenizer, params, policy
+    )
     assert set(_n_by_pass(rows["rankings"]).values()) == {N_USERS}

@@ -59,16 +59,13 @@ def read(root: Path, name: str) -> dict:
 @pytest.mark.slow
 def test_a_cold_retrain_then_a_warm_one_from_its_champion(tmp_path: Path) -> None:
     with isolated_project(tmp_path / "project") as root:
-        # the gate's absolute floors are the product's; models that learn nothing at smoke sizes
-        # cannot be held to them, and this test is about the mechanism
-        conf = root / "conf/smoke/parameters_retrain.yml"
-        params = yaml.safe_load(conf.read_text())
-        params["retrain"]["gate"] |= {
-            "min_unforced_rate": 0.0,
-            "min_speed_ratio": 0.0,
-            "margin": 1.0,
-        }
-        conf.write_text(yaml.safe_dump(params))
+        # smoke's policy holds the floors at 0 already; its gate margin (0.02) is one models that learn
+        # nothing at smoke sizes may miss, and this test is about the mechanism
+        conf = root / "conf/smoke/parameters_policy.yml"
+        policy = yaml.safe_load(conf.read_text())
+        policy["policy"]["gate_margin"] = 1.0
+        conf.write_text(yaml.safe_dump(policy))
+        params = yaml.safe_load((root / "conf/smoke/parameters_retrain.yml").read_text())
         incoming = root / "data/01_raw/incoming"
         incoming.mkdir(parents=True)
 
@@ -115,7 +112,7 @@ def test_a_cold_retrain_then_a_warm_one_from_its_champion(tmp_path: Path) -> Non
         assert f"run {first_run}" in text and "node convert_teacher" in text and "(raw file)" in text
 
 
-INFERENCE: dict[str, Any] = {  # `inference` as the nodes read it: every key, no floors, the least timing
+INFERENCE: dict[str, Any] = {  # `inference` as the nodes read it: every key, no screen, the least timing
     "splits": ["valid", "test"],
     "max_requests": None,
     "sweep_max_requests": 2,
@@ -125,11 +122,8 @@ INFERENCE: dict[str, Any] = {  # `inference` as the nodes read it: every key, no
     "operating_point": {
         "systems": [SERVED_DIFFUSION],
         "reference": "ar_rl",
-        "budget": 1.0,
         "n_boot": 100,
-        "min_unforced_rate": None,
         "floor_screen": None,
-        "min_speed_ratio": None,
         "speed_batch_size": 1,
         "taus": [0.9, 0.5],
         "windows": [None, 2],
@@ -137,20 +131,29 @@ INFERENCE: dict[str, Any] = {  # `inference` as the nodes read it: every key, no
     },
     "decoding": {"max_new_tokens": 8, "batch_size": 4, "constrained": False, "device": "cpu"},
 }
+POLICY = {  # `policy`: every bar open (untrained models), each case below closes one
+    "level": 0.95,
+    "min_unforced_rate": 0.0,
+    "min_speed_ratio": 0.0,
+    "choice_margin": 1.0,
+    "gate_margin": 1.0,
+    "prerank_margin": 1.0,
+}
 
 
 @pytest.mark.parametrize(
-    "change",
+    ("change", "bars"),
     [
-        {},  # chosen
-        {"budget": -0.5},  # refused on accuracy, never timed
-        {"min_speed_ratio": 1e9},  # refused on the timed speed
-        {"min_unforced_rate": 0.5, "floor_screen": {"requests": 2, "z": 1.0}},  # stopped at the screen
-        {"systems": ["rl"]},  # the served system chooses nothing: {}
+        ({}, {}),  # chosen
+        ({}, {"choice_margin": -0.5}),  # refused on accuracy, never timed
+        ({}, {"prerank_margin": -0.5}),  # refused on the pre-rank, never timed
+        ({}, {"min_speed_ratio": 1e9}),  # refused on the timed speed
+        ({"floor_screen": {"requests": 2, "z": 1.0}}, {"min_unforced_rate": 0.5}),  # stopped at the screen
+        ({"systems": ["rl"]}, {}),  # the served system chooses nothing: {}
     ],
 )
 def test_the_retrain_chooses_the_operating_point_inference_chooses(
-    change: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+    change: dict[str, Any], bars: dict[str, float], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """`choose_operating_point` (one core call) and inference's nodes (`rerank_ar_rl`, then the
     served system's) on the same models and validation requests: the same record, field for field,
@@ -174,14 +177,15 @@ def test_the_retrain_chooses_the_operating_point_inference_chooses(
         ar, diffusion = tiny_model_for(tokenizer), tiny_model_for(tokenizer, block_size=4)
         params = copy.deepcopy(INFERENCE)
         params["operating_point"] |= change
+        policy = POLICY | bars  # one block, handed to both
         steady()
-        retrained = choose_operating_point(diffusion, ar, requests, tokenizer, copy.deepcopy(params))
+        retrained = choose_operating_point(diffusion, ar, requests, tokenizer, copy.deepcopy(params), policy)
         steady()
         valid = {**params, "splits": ["valid"]}
-        reference = make_rerank_node("ar_rl")(ar, requests, tokenizer, valid)
-        point = make_rerank_node(SERVED_DIFFUSION)(diffusion, requests, tokenizer, valid, reference, ar)[
-            "operating_point"
-        ]
+        reference = make_rerank_node("ar_rl")(ar, requests, tokenizer, valid, policy)
+        point = make_rerank_node(SERVED_DIFFUSION)(
+            diffusion, requests, tokenizer, valid, policy, reference, ar
+        )["operating_point"]
     finally:
         torch.set_num_threads(threads)
     expected = {} if point is None else {SERVED_DIFFUSION: point}

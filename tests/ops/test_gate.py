@@ -11,6 +11,7 @@ import pandas as pd
 import pytest
 
 from diffusion_gr2.core.bench.harness import TimedRate
+from diffusion_gr2.core.evaluate.policy import Policy
 from diffusion_gr2.core.rank.rerank import SERVED_DIFFUSION
 from diffusion_gr2.core.tracking import registry
 from diffusion_gr2.core.tracking.gate import GateConfig, decide, newest_slice, prerank_score
@@ -44,18 +45,28 @@ SERVING = {"request_log": {"enabled": False, "folder": "unused", "max_bytes": 1 
 
 
 def params(tmp_path: Path, **gate_overrides: float) -> dict:
+    """`params:retrain` for these tests: how the gate measures (its bars are `policy`'s)."""
     gate = {
         "slice_share": 1.0,
         "max_requests": 50,
-        "margin": 0.0,
-        "min_unforced_rate": 0.0,  # random tiny models: their own answers are never valid
-        "min_speed_ratio": 0.0,
         "speed_requests": 1,
         "speed_rounds": 6,  # the fewest whose range covers the 95% level
         **gate_overrides,
     }
     lock = str(tmp_path / ".retrain.lock")
     return {"force": False, "lock_file": lock, "min_new_rows": 1, "gate": gate, "shadow": {"enabled": False}}
+
+
+def policy(margin: float = 0.0, **bars: float) -> dict:
+    """`params:policy` for these tests: both R@1 margins of the gate at `margin`, no floors (random
+    tiny models: their own answers are never valid), then `bars`."""
+    loose = {
+        "min_unforced_rate": 0.0,
+        "min_speed_ratio": 0.0,
+        "gate_margin": margin,
+        "prerank_margin": margin,
+    }
+    return Policy().as_record() | loose | bars
 
 
 def registering(world: World, without_operating_point: bool = False) -> dict:
@@ -72,9 +83,9 @@ def test_gate_promotes_a_passing_challenger_and_refuses_a_worse_one(
     store: str, world: World, tmp_path: Path
 ) -> None:
     # the registry's side of the gate; random models are held to no R@1 floor here (margin 1)
-    loose = params(tmp_path, margin=1.0)
+    loose = policy(margin=1.0)
     first = {"diffusion": register(world, "rl"), "teacher": register(world, "ar_rl")}
-    report = run_gate(first, requests(world), loose, SERVING)["gate_report"]
+    report = run_gate(first, requests(world), params(tmp_path), SERVING, loose)["gate_report"]
     assert report["decision"] == "promote" and report["champion_version"] is None  # first version
     assert registry.alias_version(registry.DIFFUSION_MODEL, registry.CHAMPION).version == first["diffusion"]
     assert registry.alias_version(registry.TEACHER_MODEL, registry.CHAMPION).version == first["teacher"]
@@ -83,7 +94,7 @@ def test_gate_promotes_a_passing_challenger_and_refuses_a_worse_one(
         "diffusion": register(world, "rl"),
         "teacher": register(world, "ar_rl"),
     }  # as good as the champion
-    report = run_gate(same, requests(world), loose, SERVING)["gate_report"]
+    report = run_gate(same, requests(world), params(tmp_path), SERVING, loose)["gate_report"]
     assert report["decision"] == "promote" and report["numbers"]["recall@1_vs_champion"] == 0.0
     # the same weights answer alike: the paired interval is the point itself
     assert (
@@ -95,9 +106,7 @@ def test_gate_promotes_a_passing_challenger_and_refuses_a_worse_one(
     # Timed on one round: its speed-up's range covers 0% of the stated 95%, so the speed check fails
     # whatever the floor (here 0).
     hasty = {"diffusion": register(world, "rl"), "teacher": same["teacher"]}
-    report = run_gate(hasty, requests(world), params(tmp_path, margin=1.0, speed_rounds=1), SERVING)[
-        "gate_report"
-    ]
+    report = run_gate(hasty, requests(world), params(tmp_path, speed_rounds=1), SERVING, loose)["gate_report"]
     assert report["decision"] == "refuse" and report["decided_by"] == ["speed_ratio_vs_ar_rl.low"]
     assert "too few timing rounds: 1 cover 0.0% < 95%" in report["reasons"]
     assert registry.alias_version(registry.DIFFUSION_MODEL, registry.CHAMPION).version == same["diffusion"]
@@ -110,7 +119,8 @@ def test_gate_promotes_a_passing_challenger_and_refuses_a_worse_one(
 def test_own_answers_repaired_by_the_grammar_are_refused(store: str, world: World, tmp_path: Path) -> None:
     """Served under the grammar every answer of a random model is valid; its own answers are not."""
     versions = {"diffusion": register(world, "rl"), "teacher": register(world, "ar_rl")}
-    report = run_gate(versions, requests(world), params(tmp_path, margin=1.0, min_unforced_rate=0.5), SERVING)
+    floor = policy(margin=1.0, min_unforced_rate=0.5)
+    report = run_gate(versions, requests(world), params(tmp_path), SERVING, floor)
     report = report["gate_report"]
     assert report["numbers"]["valid_rate"] == 1.0 and report["numbers"]["unforced_rate"] == 0.0
     assert report["decision"] == "refuse" and report["decided_by"] == ["unforced_rate"]
@@ -141,7 +151,7 @@ def paired_hits(n: int, both: int, only_a: int, only_b: int) -> tuple[list[float
 
 
 N = 640  # the default slice: a sound challenger passes, one 8 points worse does not (gate_power.py)
-CONFIG = GateConfig(margin=0.05, min_unforced_rate=0.5, min_speed_ratio=1.0, n_boot=500)
+CONFIG = GateConfig(n_boot=500, policy=Policy(gate_margin=0.05, min_unforced_rate=0.5, min_speed_ratio=1.0))
 
 
 def test_a_sound_first_challenger_is_promoted_and_every_figure_is_reported() -> None:
@@ -261,14 +271,13 @@ def test_a_refused_operating_point_registers_the_teacher_and_the_prerank_not_the
 ) -> None:
     refused = "no (tau, window) reaches R@1 0.117 on validation; the best R@1 was 0.148 at tau 0.6"
     chosen = {SERVED_DIFFUSION: {"tau": None, "window": None, "refused": refused}}
-    retrain = params(tmp_path, min_unforced_rate=0.5) | {  # the random teacher's own answers fail it
-        "register": registering(world)
-    }
+    retrain = params(tmp_path) | {"register": registering(world)}
+    floor = policy(min_unforced_rate=0.5)  # the random teacher's own answers fail it
     traces, inference = {"prompt": {}}, {"decoding": {**DECODING, **LONG}}
     versions = register_models(None, None, world.items, world.sids, chosen, retrain, traces, inference)
     assert versions["diffusion"] is None and refused in versions["not_registered"]
     assert versions["teacher"] == "1" and versions["prerank"] == "1"
-    report = run_gate(versions, requests(world), retrain, SERVING)["gate_report"]
+    report = run_gate(versions, requests(world), retrain, SERVING, floor)["gate_report"]
     assert report["decision"] == "not_registered" and refused in report["reasons"]
     assert report["teacher_gate"]["decision"] == "refuse"
     names = {m.name for m in mlflow.MlflowClient().search_registered_models()}
@@ -292,7 +301,9 @@ def test_a_refused_operating_point_registers_the_teacher_and_the_prerank_not_the
 def test_each_gate_threshold_passes_exactly_at_its_bar() -> None:
     """`unforced_rate` at the floor, the paired R@1 interval's lower end at -margin and the speed-up's
     lower end at the floor all pass; just short of each, the check fails."""
-    config = GateConfig(margin=0.05, min_unforced_rate=0.5, min_speed_ratio=1.0, n_boot=200)
+    config = GateConfig(
+        n_boot=200, policy=Policy(gate_margin=0.05, min_unforced_rate=0.5, min_speed_ratio=1.0)
+    )
     # identical hits: the paired interval is the point 0; the margin is set to meet it exactly
     hits = [1.0, 0.0] * 20
     at_bar = decide(
@@ -301,7 +312,10 @@ def test_each_gate_threshold_passes_exactly_at_its_bar() -> None:
     assert at_bar["decision"] == "promote", at_bar["reasons"]
     assert at_bar["numbers"]["speed_ratio_vs_ar_rl.low"] == 1.0
     assert at_bar["numbers"]["recall@1_vs_prerank.low"] == 0.0
-    no_margin = GateConfig(margin=0.0, min_unforced_rate=0.5, min_speed_ratio=1.0, n_boot=200)
+    no_margin = GateConfig(
+        n_boot=200,
+        policy=Policy(gate_margin=0.0, prerank_margin=0.0, min_unforced_rate=0.5, min_speed_ratio=1.0),
+    )
     exact = decide(
         side(hits, own=0.5, speed=100.0), None, side(hits, speed=100.0), prerank_score_of(hits), no_margin
     )

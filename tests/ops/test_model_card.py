@@ -9,6 +9,7 @@ import mlflow
 import pytest
 
 from diffusion_gr2.__main__ import ops
+from diffusion_gr2.core.evaluate.policy import Policy
 from diffusion_gr2.core.tracking import registry
 from diffusion_gr2.core.tracking.gate import GateConfig, decide
 from diffusion_gr2.core.tracking.lineage import PRODUCED_TAG, DigestCache, NodeRecord, file_md5, log_record
@@ -28,9 +29,9 @@ def gate_result(version: str) -> dict:
     side = {"hits": [1, 0] * 10, "recall@1": 0.5, "valid_rate": 1.0, "unforced_rate": 0.8, "n": 20}
     teacher = side | {"hits": [0, 1] * 10, "unforced_rate": 0.6, "output_tokens_per_s": 100.0}
     prerank = {"hits": [1, 1, 0, 0] * 5, "recall@1": 0.5}
-    config = GateConfig(**{"slice_share": 0.5, "max_requests": 20, "margin": 0.05, "min_unforced_rate": 0.5,
-                           "min_speed_ratio": 1.0, "speed_batch_size": 1, "speed_requests": 4,
-                           "speed_rounds": 6})  # fmt: skip
+    config = GateConfig(**{"slice_share": 0.5, "max_requests": 20, "speed_batch_size": 1, "speed_requests": 4,
+                           "speed_rounds": 6}, policy=Policy(gate_margin=0.05, min_unforced_rate=0.5,
+                                                             min_speed_ratio=1.0))  # fmt: skip
     report = decide(side | {"output_tokens_per_s": 150.0}, None, teacher, prerank, config, list(range(20)))
     return report | {"challenger_version": version, "teacher_version": None, "teacher_gate": None}
 

@@ -15,7 +15,7 @@ from diffusion_gr2.core.tracking import registry
 from diffusion_gr2.core.tracking.serving import SIGNATURE, RequestError
 from diffusion_gr2.pipelines.retrain.nodes import register_models, run_gate
 from tests.ops.conftest import DECODING, World
-from tests.ops.test_gate import LONG, SERVING, params, registering, requests
+from tests.ops.test_gate import LONG, SERVING, params, policy, registering, requests
 
 REFUSED = {
     SERVED_DIFFUSION: {"tau": None, "window": None, "refused": "own valid rate 0.40 < 0.5 at every tau"}
@@ -23,10 +23,11 @@ REFUSED = {
 TRACES, INFERENCE = {"prompt": {}}, {"decoding": {**DECODING, **LONG}}
 
 
-def register_and_gate(world: World, tmp_path: Path, points: dict, **gate: float) -> dict:
-    retrain = params(tmp_path, **gate) | {"register": registering(world)}
+def register_and_gate(world: World, tmp_path: Path, points: dict, **bars: float) -> dict:
+    """Register, then gate under `policy(**bars)`."""
+    retrain = params(tmp_path) | {"register": registering(world)}
     versions = register_models(None, None, world.items, world.sids, points, retrain, TRACES, INFERENCE)
-    return run_gate(versions, requests(world), retrain, SERVING)["gate_report"]
+    return run_gate(versions, requests(world), retrain, SERVING, policy(**bars))["gate_report"]
 
 
 def which(capsys: pytest.CaptureFixture[str]) -> str:

@@ -33,7 +33,7 @@ from diffusion_gr2.core.tracking.serving import Limits, Ranker, Request
 from diffusion_gr2.core.tracking.shadow import ShadowConfig, champion_requests, evaluate, next_interactions
 from diffusion_gr2.pipelines.retrain.nodes import run_gate
 from tests.ops.conftest import World
-from tests.ops.test_gate import params, register, requests, side
+from tests.ops.test_gate import params, policy, register, requests, side
 from tests.ops.test_request_log import _killed_mid_write
 
 HEADER = "user_id:token\titem_id:token\trating:float\ttimestamp:float"
@@ -150,8 +150,10 @@ def test_serve_log_deliver_then_the_gate_replays_the_log_with_delayed_feedback(
 
     # retrain (here: a new version of the same weights) and gate it with the shadow evaluation
     challenger = {"diffusion": register(world, "rl"), "teacher": register(world, "ar_rl")}
-    retrain = params(tmp_path, margin=1.0) | {"shadow": shadow()}
-    gate = run_gate(challenger, requests(world), retrain, serving(folder), report)["gate_report"]
+    retrain = params(tmp_path) | {"shadow": shadow()}
+    gate = run_gate(challenger, requests(world), retrain, serving(folder), policy(margin=1.0), report)[
+        "gate_report"
+    ]
     numbers, replay = gate["numbers"], gate["shadow"]
     assert replay["requests"] == 6 and replay["torn_rows_skipped"] == 1 and replay["delivered_rows"] == 5
     assert numbers["shadow.feedback_requests"] == 5.0
@@ -176,12 +178,13 @@ def test_serve_log_deliver_then_the_gate_replays_the_log_with_delayed_feedback(
 
     # too little traffic: every shadow check fails and says so; the champion stays
     served_now = registry.alias_version(registry.DIFFUSION_MODEL, registry.CHAMPION).version
-    few = params(tmp_path, margin=1.0) | {"shadow": shadow(min_requests=50)}
+    few = params(tmp_path) | {"shadow": shadow(min_requests=50)}
     refused = run_gate(
         {"diffusion": register(world, "rl"), "teacher": challenger["teacher"]},
         requests(world),
         few,
         serving(folder),
+        policy(margin=1.0),
         report,
     )["gate_report"]
     assert refused["decision"] == "refuse" and refused["decided_by"] == ["shadow.requests"]
@@ -366,13 +369,14 @@ def test_make_register_without_served_traffic_refuses_in_one_line_and_the_champi
 ) -> None:
     """A second `make register` (the project's shadow settings, the request log on, nothing served):
     one line names the missing traffic and what to do; the first version keeps serving."""
-    conf = params(tmp_path, margin=1.0) | {"shadow": CONF["retrain"]["shadow"]}
+    conf = params(tmp_path) | {"shadow": CONF["retrain"]["shadow"]}
+    loose = policy(margin=1.0)
     log_on = serving(tmp_path / "request_log")  # never written: no `make serve` in between
     first = {"diffusion": register(world, "rl"), "teacher": register(world, "ar_rl")}
-    assert run_gate(first, requests(world), conf, log_on)["gate_report"]["decision"] == "promote"
+    assert run_gate(first, requests(world), conf, log_on, loose)["gate_report"]["decision"] == "promote"
     second = {"diffusion": register(world, "rl"), "teacher": register(world, "ar_rl")}
     with caplog.at_level(logging.INFO, logger="diffusion_gr2"):
-        report = run_gate(second, requests(world), conf, log_on)["gate_report"]
+        report = run_gate(second, requests(world), conf, log_on, loose)["gate_report"]
     assert report["decision"] == "refuse" and report["decided_by"] == ["shadow.requests"]
     refusals = [
         r.getMessage()

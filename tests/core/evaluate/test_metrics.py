@@ -132,14 +132,14 @@ def test_bootstrap_matches_loop_reference_and_is_seeded(monkeypatch: pytest.Monk
 def test_paired_bootstrap() -> None:
     a = np.array([1.0, 0.0, 1.0, 1.0] * 10)
     b = np.array([0.0, 0.0, 1.0, 0.0] * 10)
-    res = M.paired_bootstrap(a, b, n_boot=500, seed=0)
+    res = M.paired_bootstrap(a, b, n_boot=500, seed=0, level=0.95)
     assert res.mean_diff == pytest.approx(0.5) and 0 < res.low <= 0.5 <= res.high and res.sign_share == 0.0
-    same = M.paired_bootstrap(a, a)
+    same = M.paired_bootstrap(a, a, level=0.95)
     assert (same.mean_diff, same.low, same.high, same.sign_share) == (0.0, 0.0, 0.0, 1.0)
-    noisy = M.paired_bootstrap([1.0, 0.0, 1.0, 0.0], [0.0, 1.0, 0.0, 1.0], n_boot=500)
+    noisy = M.paired_bootstrap([1.0, 0.0, 1.0, 0.0], [0.0, 1.0, 0.0, 1.0], n_boot=500, level=0.95)
     assert noisy.sign_share > 0.5 and noisy.low < 0 < noisy.high
     with pytest.raises(ValueError):
-        M.paired_bootstrap([1.0], [1.0, 0.0])
+        M.paired_bootstrap([1.0], [1.0, 0.0], level=0.95)
 
 
 def test_full_catalog_ranks_and_metrics(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -277,5 +277,5 @@ def test_bootstrap_resamples_whole_users_when_given_them() -> None:
     singles = M.bootstrap_ci(values, n_boot=500, seed=3, groups=list(range(10)))
     assert singles == M.bootstrap_ci(values, n_boot=500, seed=3)
     a, b = np.array([1.0, 1.0, 0.0, 1.0]), np.array([0.0, 0.0, 0.0, 1.0])
-    paired = M.paired_bootstrap(a, b, n_boot=2000, seed=0, groups=[1, 1, 2, 3])
+    paired = M.paired_bootstrap(a, b, n_boot=2000, seed=0, level=0.95, groups=[1, 1, 2, 3])
     assert paired.mean_diff == 0.5 and paired.low <= 0.5 <= paired.high

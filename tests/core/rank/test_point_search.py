@@ -1,6 +1,6 @@
-"""The operating point's search in one core call: its typed config, and each gate exactly at its
-bound (the R@1 budget, the own-valid floor, the timed speed floor) through the real decode, pairing
-and timing."""
+"""The operating point's search in one core call: its typed config, and each bar of the serving policy
+exactly at its bound (the R@1 margins, the own-valid floor, the timed speed floor) through the real
+decode, pairing and timing."""
 
 from __future__ import annotations
 
@@ -16,8 +16,9 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
 from diffusion_gr2.core.bench import benchmark
+from diffusion_gr2.core.evaluate.policy import Policy
 from diffusion_gr2.core.rank import point_search
-from diffusion_gr2.core.rank.operating_point import paired_key, timed_speed_ratio
+from diffusion_gr2.core.rank.operating_point import PRERANK, paired_key, timed_speed_ratio
 from diffusion_gr2.core.rank.point_search import (
     OperatingPointConfig,
     Reference,
@@ -33,28 +34,29 @@ ENVS = [
     None,
     *sorted(p.name for p in CONF.iterdir() if p.is_dir() and p.name not in {"base", "local", "accelerate"}),
 ]
-KEY = paired_key("ar_rl")
+KEY, PRE = paired_key("ar_rl"), paired_key(PRERANK)
 SECTION: dict[str, Any] = {  # every key, values of no environment
     "systems": ["rl"],
     "reference": "ar_rl",
-    "budget": 1.0,
     "n_boot": 100,
-    "min_unforced_rate": None,
     "floor_screen": None,
-    "min_speed_ratio": None,
     "speed_batch_size": 1,
     "taus": [0.9],
     "windows": [None],
     "timing": {"n_prompts": 2, "batch_sizes": [1], "rounds": 1, "min_calls": 1, "warmup": 0},
 }
 
+# every bar open: each test below moves one of them to the figure the search measured
+LOOSE = Policy(min_unforced_rate=0.0, min_speed_ratio=0.0, choice_margin=1.0, prerank_margin=1.0)
+
 
 @pytest.mark.parametrize("env", ENVS)
 def test_every_environment_builds_the_config(env: str | None, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("DIFFUSION_GR2_PRETRAINED", raising=False)
-    section = load_parameters(env, CONF)["inference"]["operating_point"]
-    config = OperatingPointConfig.from_params(section)
-    assert config.budget == section["budget"] and config.min_speed_ratio == section["min_speed_ratio"]
+    params = load_parameters(env, CONF)
+    section, policy = params["inference"]["operating_point"], Policy.from_params(params["policy"])
+    config = OperatingPointConfig.from_params(section, policy)
+    assert config.policy is policy and config.n_boot == section["n_boot"]
     assert config.candidates == [(float(t), w) for t in section["taus"] for w in section["windows"]]
     # the harness's reference is the operating point's, stated once
     assert config.timing.reference == config.reference == section["reference"]
@@ -65,6 +67,9 @@ def test_every_environment_builds_the_config(env: str | None, monkeypatch: pytes
     ("change", "message"),
     [
         ({"budgett": 0.03}, r"unknown keys \['budgett'\]"),
+        # a bar written here would be a second copy of the policy's
+        ({"budget": 0.03}, r"unknown keys \['budget'\]"),
+        ({"min_unforced_rate": 0.5}, r"unknown keys \['min_unforced_rate'\]"),
         ({"timing": SECTION["timing"] | {"taus": [0.9]}}, r"timing: unknown keys \['taus'\]"),
         ({"timing": SECTION["timing"] | {"reference": "ar_sft"}}, r"timing: unknown keys \['reference'\]"),
         ({"floor_screen": {"requests": 10}}, r"floor_screen: unknown keys \[\], missing keys \['z'\]"),
@@ -74,10 +79,10 @@ def test_every_environment_builds_the_config(env: str | None, monkeypatch: pytes
 )
 def test_the_config_refuses_unknown_missing_and_untimed(change: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=message):
-        OperatingPointConfig.from_params(SECTION | change)
+        OperatingPointConfig.from_params(SECTION | change, LOOSE)
     missing = {k: v for k, v in SECTION.items() if k != "n_boot"}
     with pytest.raises(ValueError, match=r"missing keys \['n_boot'\]"):
-        OperatingPointConfig.from_params(missing)
+        OperatingPointConfig.from_params(missing, LOOSE)
 
 
 class World:
@@ -121,25 +126,32 @@ def steady_clock(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(point_search, "time_candidates", timed)
 
 
-BASE = OperatingPointConfig.from_params(SECTION)
+BASE = OperatingPointConfig.from_params(SECTION, LOOSE)
 
 
-def test_the_budget_admits_a_candidate_whose_lower_bound_is_exactly_at_it(world: World, steady_clock) -> None:
+def bars(**changes: float) -> OperatingPointConfig:
+    return replace(BASE, policy=replace(LOOSE, **changes))
+
+
+@pytest.mark.parametrize(("key", "field"), [(KEY, "choice_margin"), (PRE, "prerank_margin")])
+def test_each_r1_margin_admits_a_candidate_whose_lower_bound_is_exactly_at_it(
+    world: World, steady_clock, key: str, field: str
+) -> None:
     (candidate,) = world.search(BASE)["candidates"]
-    low = candidate[f"{KEY}.low"]
-    at = world.search(replace(BASE, budget=-low))
-    assert at["tau"] == 0.9 and at["chosen"][f"{KEY}.low"] == low
-    below = world.search(replace(BASE, budget=-low - 1e-6))
-    assert below["tau"] is None and "lower bound" in below["refused"]
+    low = candidate[f"{key}.low"]
+    at = world.search(bars(**{field: -low}))
+    assert at["tau"] == 0.9 and at["chosen"][f"{key}.low"] == low
+    below = world.search(bars(**{field: -low - 1e-6}))
+    assert below["tau"] is None and f"{key}.low {low:+.3f} < {low + 1e-6:+.3f}" in below["refused"]
     assert "timed_prompts" not in below["candidates"][0]  # refused on accuracy: never timed
 
 
 def test_the_own_valid_floor_admits_a_candidate_exactly_at_it(world: World, steady_clock) -> None:
     (candidate,) = world.search(BASE)["candidates"]
     own = candidate["unforced_rate"]
-    at = world.search(replace(BASE, min_unforced_rate=own))
+    at = world.search(bars(min_unforced_rate=own))
     assert at["tau"] == 0.9 and at["chosen"]["unforced_rate"] == own
-    above = world.search(replace(BASE, min_unforced_rate=own + 1e-9))
+    above = world.search(bars(min_unforced_rate=own + 1e-9))
     assert above["tau"] is None and f"own valid rate >= {own + 1e-9:.2f}" in above["refused"]
 
 
@@ -147,9 +159,9 @@ def test_the_speed_floor_admits_a_timed_speed_up_exactly_at_it(world: World, ste
     (candidate,) = world.search(BASE)["candidates"]
     speed = timed_speed_ratio(candidate, "ar_rl", 1)
     assert speed is not None and speed > 0
-    at = world.search(replace(BASE, min_speed_ratio=speed))
+    at = world.search(bars(min_speed_ratio=speed))
     assert at["tau"] == 0.9 and timed_speed_ratio(at["chosen"], "ar_rl", 1) == speed
-    above = world.search(replace(BASE, min_speed_ratio=speed * (1 + 1e-6)))
+    above = world.search(bars(min_speed_ratio=speed * (1 + 1e-6)))
     assert above["tau"] is None and "timed speed-up over ar_rl" in above["refused"]
 
 

@@ -305,7 +305,7 @@ def test_stage_metrics_are_recomputable_from_the_rankings_file(tmp_path: Path) -
 
 def test_compare_systems_pairs_users_against_each_baseline() -> None:
     rankings = _rankings()
-    rows = compare_systems(rankings, EvaluationConfig(n_boot=200))
+    rows = compare_systems(rankings, EvaluationConfig(n_boot=200), 0.95)
     keys = {"system", "tau", "window", "split", "baseline", "baseline_tau", "metric", "n", "mean_diff"}
     keys |= {"low", "high", "sign_share"}
     assert all(set(r) == keys for r in rows)
@@ -320,7 +320,9 @@ def test_compare_systems_pairs_users_against_each_baseline() -> None:
 def test_eval_metrics_names_and_markdown_table() -> None:
     rankings = _rankings()
     rows = stage_metrics(rankings, n_boot=20)
-    history = as_metrics_history(eval_metrics(rows, compare_systems(rankings, EvaluationConfig(n_boot=20))))
+    history = as_metrics_history(
+        eval_metrics(rows, compare_systems(rankings, EvaluationConfig(n_boot=20), 0.95))
+    )
     assert history["cft.tau0.9.recall_at_1"]["value"] == rows[2]["recall@1"]
     assert history["ar_rl.ndcg_at_3"]["value"] == rows[1]["ndcg@3"]
     assert history["cmp.cft.tau0.6.vs_ar_rl.recall_at_1"]["value"] == pytest.approx(1 / 6 - 5 / 6)
@@ -355,14 +357,14 @@ def test_systems_are_paired_by_request_not_by_user() -> None:
     same = floor.assign(system="ar_rl").iloc[::-1]  # the same answers, rows in another order
     (cmp,) = [
         c
-        for c in compare_systems(pd.concat([floor, same]), EvaluationConfig(n_boot=50))
+        for c in compare_systems(pd.concat([floor, same]), EvaluationConfig(n_boot=50), 0.95)
         if c["metric"] == "recall@1" and c["baseline"] == "prerank"
     ]
     assert (cmp["n"], cmp["mean_diff"], cmp["low"], cmp["high"]) == (6, 0.0, 0.0, 0.0)
     # a pass decoded on fewer requests (the capped tau sweep) is paired on those only
     sweep = floor.iloc[:2].assign(system="rl", tau=0.6, ranking=[[1], [101]])  # misses both targets
     rows = compare_systems(
-        pd.concat([floor, sweep]), EvaluationConfig(n_boot=50, compare_metrics=("recall@1",))
+        pd.concat([floor, sweep]), EvaluationConfig(n_boot=50, compare_metrics=("recall@1",)), 0.95
     )
     assert [(r["system"], r["n"], r["mean_diff"]) for r in rows] == [("rl", 2, -1.0)]
 

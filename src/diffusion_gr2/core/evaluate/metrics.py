@@ -271,14 +271,16 @@ def paired_bootstrap(
     b_values: Sequence[float] | np.ndarray,
     n_boot: int = 1000,
     seed: int = 0,
-    level: float = 0.95,
+    *,
+    level: float,
     groups: Sequence[Hashable] | np.ndarray | None = None,
 ) -> PairedBootstrap:
     """Paired bootstrap of a per-request metric for systems a and b scored on the same requests.
 
     Resampling requests (not each system separately) keeps the pairing, so the shared per-request
     difficulty cancels and small differences between close systems can be resolved. ``groups``
-    ([r], user ids) resamples whole users instead (`_bootstrap_means`).
+    ([r], user ids) resamples whole users instead (`_bootstrap_means`). `level` (two-sided) has no
+    default: every interval that decides states its level (`core/evaluate/policy.py`).
     """
     a, b = np.asarray(a_values, dtype=np.float64), np.asarray(b_values, dtype=np.float64)
     if a.shape != b.shape or a.ndim != 1 or a.size == 0:

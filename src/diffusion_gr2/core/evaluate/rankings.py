@@ -109,24 +109,28 @@ def _aligned_values(a: pd.DataFrame, b: pd.DataFrame, metric: str) -> tuple[Any,
     return user_values(a_rows.loc[keys])[metric], user_values(b_rows.loc[keys])[metric], users
 
 
-def _paired_rows(a: pd.DataFrame, b: pd.DataFrame, config: EvaluationConfig) -> list[dict[str, Any]]:
+def _paired_rows(
+    a: pd.DataFrame, b: pd.DataFrame, config: EvaluationConfig, level: float
+) -> list[dict[str, Any]]:
     """One paired bootstrap (a - b) per compared metric, on the requests both frames rank."""
     out = []
     for metric in config.compare_metrics:
         a_vals, b_vals, users = _aligned_values(a, b, metric)
         if len(a_vals):
-            test = paired_bootstrap(a_vals, b_vals, config.n_boot, config.seed, groups=users)
+            test = paired_bootstrap(a_vals, b_vals, config.n_boot, config.seed, level=level, groups=users)
             out.append({"metric": metric, "n": len(a_vals), **test._asdict()})
     return out
 
 
-def compare_systems(rankings: pd.DataFrame, config: EvaluationConfig) -> list[dict[str, Any]]:
+def compare_systems(rankings: pd.DataFrame, config: EvaluationConfig, level: float) -> list[dict[str, Any]]:
     """Paired bootstrap of every variant against each baseline present on the same split and requests.
 
     Rows: `split, system, tau, window, baseline, baseline_tau, metric, n, mean_diff, low, high,
-    sign_share`, where `mean_diff` = system - baseline and `sign_share` is the bootstrap's two-sided
-    share against its sign (`PairedBootstrap`). Pairing by request (`request_key`: split, user, point)
-    cancels the per-request difficulty both share; the resamples draw whole users.
+    sign_share`, where `mean_diff` = system - baseline, [`low`, `high`] its two-sided `level` interval
+    (the serving policy's, `Policy.level`: the level the operating point and the gate decide at) and
+    `sign_share` is the bootstrap's two-sided share against its sign (`PairedBootstrap`). Pairing by
+    request (`request_key`: split, user, point) cancels the per-request difficulty both share; the
+    resamples draw whole users.
     """
     groups = _groups(rankings)
     rows: list[dict[str, Any]] = []
@@ -134,7 +138,7 @@ def compare_systems(rankings: pd.DataFrame, config: EvaluationConfig) -> list[di
         for b_key, b_rows in (g for g in groups if g[0].system == base):
             for key, a_rows in (g for g in groups if g[0].system != base and g[0].split == b_key.split):
                 head = key._asdict() | {"baseline": base, "baseline_tau": b_key.tau}
-                rows += [head | r for r in _paired_rows(a_rows, b_rows, config)]
+                rows += [head | r for r in _paired_rows(a_rows, b_rows, config, level)]
     return rows
 
 

@@ -1,11 +1,13 @@
-"""The search for a diffusion system's operating point on validation, in one call (DESIGN §8).
+"""The search for a diffusion system's operating point on validation, in one call.
 
-`search_operating_point` does everything choosing a served (tau, window) takes, top to bottom:
+`search_operating_point` does everything choosing a served (tau, window) takes, top to bottom, under
+the serving policy (`OperatingPointConfig.policy`, the one the registration gate reads):
 
 1. decode every candidate (`OperatingPointConfig.candidates`) on the validation requests, each
    screened against the own-valid floor first when `floor_screen` is set (`rerank_screened`);
-2. pair each candidate with the reference's rows on the same requests (`paired_recall`);
-3. keep those that meet the accuracy gates, the R@1 budget and the own-valid floor
+2. pair each candidate with the reference's rows and with the pre-rank's on the same requests
+   (`paired_recall`, at the policy's level);
+3. keep those that clear the accuracy bars, the R@1 margins against both and the own-valid floor
    (`meets_accuracy_gates`): no other can be served, so no other is timed;
 4. time them beside the reference in the benchmark's harness (`time_candidates`: interleaved
    rounds, the same prompts, under the grammar as served; `ranked_speed`);
@@ -34,7 +36,9 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from diffusion_gr2.core.bench.benchmark import BenchmarkConfig, ranked_speed, time_candidates
 from diffusion_gr2.core.evaluate.metrics import user_values
+from diffusion_gr2.core.evaluate.policy import Policy
 from diffusion_gr2.core.rank.operating_point import (
+    PRERANK,
     OperatingPointError,
     choose_operating_point,
     meets_accuracy_gates,
@@ -46,6 +50,7 @@ from diffusion_gr2.core.rank.rerank import (
     AR_SYSTEMS,
     RerankConfig,
     prepare_model,
+    prerank_rows,
     request_grammars,
     rerank_screened,
     rerank_system,
@@ -88,25 +93,26 @@ class FloorScreen:
 
 @dataclass(frozen=True)
 class OperatingPointConfig:
-    """`inference.operating_point`, typed once. No defaults: conf/base holds every value, with why."""
+    """`inference.operating_point`, typed once, with the serving policy its bars come from. No
+    defaults: conf/base holds every value, with why."""
 
     systems: tuple[str, ...]  # the diffusion systems that choose one on validation
     reference: str  # the AR system every candidate is paired with and timed beside (ar_rl)
-    budget: float  # admitted: paired R@1 interval's lower bound >= -budget
-    n_boot: int  # bootstrap resamples of each candidate's paired interval
-    min_unforced_rate: float | None  # the own-valid floor; None = none
+    n_boot: int  # bootstrap resamples of each candidate's paired intervals
     floor_screen: FloorScreen | None  # None = every candidate decodes every validation request
-    min_speed_ratio: float | None  # the timed speed-up floor at speed_batch_size; None = none
-    speed_batch_size: int
+    speed_batch_size: int  # the policy's speed floor is read at this batch size
     taus: tuple[float, ...]
     windows: tuple[int | None, ...]  # None = the whole block
     timing: BenchmarkConfig  # the harness's rounds, prompts and batch sizes; its reference is ours
+    policy: Policy  # the bars (`params:policy`): margins, floors and level, the gate's too
 
     @classmethod
-    def from_params(cls, section: Mapping[str, Any]) -> OperatingPointConfig:
-        """From `params["inference"]["operating_point"]`: every key required, an unknown one refused."""
+    def from_params(cls, section: Mapping[str, Any], policy: Policy) -> OperatingPointConfig:
+        """From `params["inference"]["operating_point"]` and the run's `policy` (built once from
+        `params["policy"]`, `Policy.from_params`): every key required, an unknown one refused (a
+        bar written here would be a second copy of the policy's)."""
         where = "inference.operating_point"
-        _exact_keys(section, {f.name for f in fields(cls)}, where)
+        _exact_keys(section, {f.name for f in fields(cls)} - {"policy"}, where)
         timing, screen = section["timing"], section["floor_screen"]
         if timing is None:  # the passes' wall-clock figures would rank the candidates
             raise ValueError(f"{where}.timing: candidates are ranked by the harness's timing alone, not null")
@@ -115,22 +121,16 @@ class OperatingPointConfig:
             raise ValueError(f"{where}.timing.n_prompts: at least one prompt to time the candidates on")
         if screen is not None:
             _exact_keys(screen, {f.name for f in fields(FloorScreen)}, f"{where}.floor_screen")
-
-        def optional(value: Any) -> float | None:
-            return None if value is None else float(value)
-
         return cls(
             systems=tuple(section["systems"]),
             reference=str(section["reference"]),
-            budget=float(section["budget"]),
             n_boot=int(section["n_boot"]),
-            min_unforced_rate=optional(section["min_unforced_rate"]),
             floor_screen=None if screen is None else FloorScreen(int(screen["requests"]), float(screen["z"])),
-            min_speed_ratio=optional(section["min_speed_ratio"]),
             speed_batch_size=int(section["speed_batch_size"]),
             taus=tuple(float(t) for t in section["taus"]),
             windows=tuple(None if w is None else int(w) for w in section["windows"]),
             timing=BenchmarkConfig.from_params({**timing, "reference": section["reference"]}),
+            policy=policy,
         )
 
     def chooses(self, system: str) -> bool:
@@ -174,30 +174,45 @@ def search_operating_point(
     `select_requests` order, the first of which are timed. The steps are the module docstring's.
     """
     rows, candidates = _decode_candidates(model, tokenizer, system, requests, decoding, config)
-    budget, name = config.budget, config.reference
+    policy, name = config.policy, config.reference
     ref_rows = None if reference.rows is None else reference.rows[reference.rows["split"] == "valid"]
     if ref_rows is None or ref_rows.empty:
         reason = f"no validation rankings of the reference {name!r} to compare with"
         logger.warning("%s: %s", system, reason)
-        return OperatingPointSearch(rows, refused_operating_point(candidates, math.nan, budget, reason, name))
-    candidates = [
-        c | paired_recall(setting_rows(rows, c["tau"], c["window"]), ref_rows, name, config.n_boot)
-        for c in candidates
-    ]
+        return OperatingPointSearch(rows, refused_operating_point(candidates, math.nan, policy, reason, name))
+    candidates = _paired(rows, candidates, ref_rows, prerank_rows(requests, "valid"), config)
     _log_paired(system, candidates, name)
     ref_recall = float(user_values(ref_rows)["recall@1"].mean())
-    admitted = [meets_accuracy_gates(c, budget, name, config.min_unforced_rate) for c in candidates]
+    admitted = [meets_accuracy_gates(c, policy, name) for c in candidates]
     _log_untimed(system, candidates, admitted)
     if any(admitted):
         if reference.model is None:  # only an unpaired speed could rank them: refuse instead
             reason = f"{name}'s model was not given, so the candidates cannot be timed beside it"
             logger.warning("%s has no operating point: %s", system, reason)
-            point = refused_operating_point(candidates, ref_recall, budget, reason, name)
+            point = refused_operating_point(candidates, ref_recall, policy, reason, name)
             return OperatingPointSearch(rows, point)
         passed = [c for c, ok in zip(candidates, admitted, strict=True) if ok]
         timed = iter(_timed(model, tokenizer, system, requests, reference.model, decoding, config, passed))
         candidates = [next(timed) if ok else c for c, ok in zip(candidates, admitted, strict=True)]
     return OperatingPointSearch(rows, _choose(system, candidates, ref_recall, config))
+
+
+def _paired(
+    rows: pd.DataFrame,
+    candidates: list[dict[str, Any]],
+    reference_rows: pd.DataFrame,
+    prerank: pd.DataFrame,
+    config: OperatingPointConfig,
+) -> list[dict[str, Any]]:
+    """Each candidate with its paired R@1 fields against the reference and against the pre-rank (the
+    retriever's order on the same validation requests), at the policy's level."""
+    level, n_boot = config.policy.level, config.n_boot
+    out = []
+    for c in candidates:
+        mine = setting_rows(rows, c["tau"], c["window"])
+        paired = paired_recall(mine, reference_rows, config.reference, n_boot, level=level)
+        out.append(c | paired | paired_recall(mine, prerank, PRERANK, n_boot, level=level))
+    return out
 
 
 def search_beside_reference(
@@ -234,9 +249,9 @@ def _decode_candidates(
     config: OperatingPointConfig,
 ) -> tuple[pd.DataFrame, list[dict[str, Any]]]:
     """Every candidate's validation rows and pass figures (`pass_figures`), screened against the
-    own-valid floor first when both are set (a floor of None has nothing to screen against)."""
-    screen, floor = config.floor_screen, config.min_unforced_rate
-    if screen is not None and floor is not None:
+    policy's own-valid floor first when `floor_screen` is set."""
+    screen, floor = config.floor_screen, config.policy.min_unforced_rate
+    if screen is not None:
         return rerank_screened(
             model, requests, tokenizer, system, config.candidates, decoding, floor, screen.requests, screen.z
         )
@@ -287,20 +302,14 @@ def _timed(
 def _choose(
     system: str, candidates: list[dict[str, Any]], ref_recall: float, config: OperatingPointConfig
 ) -> dict[str, Any]:
-    """`choose_operating_point` under `config`'s gates, or the refusal record saying why."""
+    """`choose_operating_point` under `config`'s policy, or the refusal record saying why."""
     try:
         point = choose_operating_point(
-            candidates,
-            ref_recall,
-            config.budget,
-            config.reference,
-            config.min_unforced_rate,
-            config.min_speed_ratio,
-            config.speed_batch_size,
+            candidates, ref_recall, config.policy, config.reference, config.speed_batch_size
         )
     except OperatingPointError as err:
         logger.warning("%s has no operating point: %s", system, err)
-        return refused_operating_point(candidates, ref_recall, config.budget, str(err), config.reference)
+        return refused_operating_point(candidates, ref_recall, config.policy, str(err), config.reference)
     logger.info(
         "%s operating point (validation): tau %s, window %s -- R@1 %.3f vs %s %.3f, %.0f tokens/s",
         system, point["tau"], point["window"], point["chosen"]["recall@1"], config.reference, ref_recall,
@@ -310,12 +319,14 @@ def _choose(
 
 
 def _log_paired(system: str, candidates: list[dict[str, Any]], reference: str) -> None:
-    key = paired_key(reference)
+    key, pre = paired_key(reference), paired_key(PRERANK)
     for c in candidates:
         logger.info(
-            "%s tau %s, window %s (validation, n %d): R@1 - %s %+.3f [%+.3f, %+.3f], own valid %.2f",
+            "%s tau %s, window %s (validation, n %d): R@1 - %s %+.3f [%+.3f, %+.3f], - %s %+.3f "
+            "[%+.3f, %+.3f], own valid %.2f",
             system, c["tau"], c["window"], c[f"{key}.n"], reference, c[key], c[f"{key}.low"],
-            c[f"{key}.high"], c.get("unforced_rate", float("nan")),
+            c[f"{key}.high"], PRERANK, c[pre], c[f"{pre}.low"], c[f"{pre}.high"],
+            c.get("unforced_rate", float("nan")),
         )  # fmt: skip
 
 
@@ -325,7 +336,7 @@ def _log_untimed(system: str, candidates: list[dict[str, Any]], admitted: list[b
     ]
     if refused:
         logger.info(
-            "%s: not timed (R@1 budget or own-valid floor missed, so never served): %s",
+            "%s: not timed (an R@1 margin or the own-valid floor missed, so never served): %s",
             system,
             ", ".join(refused),
         )

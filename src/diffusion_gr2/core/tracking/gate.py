@@ -1,19 +1,20 @@
-"""The promotion gate: challenger against champion on the same newest requests (DESIGN §9).
+"""The promotion gate: challenger against champion on the same newest requests.
 
 The held-out requests are the test requests whose target is newest in time (the last
 `slice_share` of them by target timestamp), in raw item ids so that models trained on different
 data preparations (different internal ids, SIDs and tokenizers) are asked exactly the same thing.
 A request a compared model cannot serve (an item outside its catalogue) is left out for all.
 
-A challenger is promoted only when every check passes (`decide`):
+A challenger is promoted only when every check passes (`decide`), each bar the serving policy's
+(`GateConfig.policy`, `core/evaluate/policy.py`: the one the operating point is chosen under):
 
 * its own valid rate (`unforced_rate`: answers decoded without the grammar that the grammar accepts,
   `rerank.own_validity`, the figure inference reports) at least `min_unforced_rate` -- the served
   answers are valid by construction (their served valid rate is reported, never checked: under the
   grammar it cannot fail), so this is the check that sees a collapsed output format;
-* non-inferior in R@1 to the pre-rank (the retriever's order, always) and to the champion, or to the
-  AR teacher when there is no champion yet: the lower bound of the paired bootstrap interval of the
-  R@1 difference (resampling users) at least ``-margin``;
+* non-inferior in R@1 to the pre-rank (the retriever's order, always: ``-prerank_margin``) and to the
+  champion, or to the AR teacher when there is no champion yet (``-gate_margin``): the lower bound of
+  the paired bootstrap interval (at `level`, resampling users) of the R@1 difference;
 * its decoding speed (output tokens per second) at least `min_speed_ratio` times the AR teacher's on
   the same requests: the lower end of the speed-up's interval (per-round ratios of the one timing
   harness, `core/bench/harness.py`), timed apart from the accuracy pass, as the benchmark times it;
@@ -40,6 +41,7 @@ import pandas as pd
 
 from diffusion_gr2.core.bench.harness import TimedRate, TimedSystem, round_rates, speedup, time_rounds
 from diffusion_gr2.core.evaluate.metrics import paired_bootstrap
+from diffusion_gr2.core.evaluate.policy import Policy, clears
 from diffusion_gr2.core.tracking.serving import Ranker, RequestError, parse_request
 
 logger = logging.getLogger(__name__)
@@ -60,19 +62,17 @@ __all__ = [
 
 @dataclass(frozen=True)
 class GateConfig:
-    """Which requests the gate uses and what a challenger must reach."""
+    """Which requests the gate uses and how it measures; what a challenger must reach is `policy`'s
+    (margins, floors and level: the serving policy the operating point is chosen under too)."""
 
     slice_share: float = 0.5  # newest share of the test requests (by target time)
     max_requests: int = 640  # at most this many of them (CPU time)
-    margin: float = 0.05  # non-inferiority: paired R@1 interval's lower bound >= -margin
-    min_unforced_rate: float = 0.5  # the model's own valid rate (no grammar), as inference's floor
-    min_speed_ratio: float = 1.0  # challenger output tokens/s over the AR teacher's
-    level: float = 0.95  # two-sided level of the paired intervals
     n_boot: int = 1000  # bootstrap resamples (of users)
     speed_batch_size: int = 1  # rows decoded together while timing (1 = one request's latency)
     speed_requests: int = 16  # timed on the first N gate requests
     speed_rounds: int = 6  # interleaved rounds: 6 make the range of the per-round ratios a 97% interval
-    # (fewer cannot reach `level` = 0.95: the speed check then fails, naming the coverage)
+    # (fewer cannot reach the policy's `level` 0.95: the speed check then fails, naming the coverage)
+    policy: Policy = Policy()  # the bars; the nodes pass the run's (`params:policy`)
 
 
 def newest_slice(
@@ -198,14 +198,18 @@ class Check:
 
 
 def at_least(name: str, value: float, threshold: float, detail: str) -> Check:
-    return Check(name, float(value), float(threshold), bool(value >= threshold - 1e-12), detail)
+    """The check `value >= threshold` (`policy.clears`: up to float noise; NaN never passes)."""
+    return Check(name, float(value), float(threshold), clears(float(value), float(threshold)), detail)
 
 
 def _non_inferior(
     name: str, challenger: dict[str, Any], other: dict[str, Any], config: GateConfig, users: Any
 ) -> tuple[Check, dict[str, float]]:
-    """Paired R@1 difference challenger - `name` on the same requests; passes when low >= -margin."""
-    paired = paired_bootstrap(challenger["hits"], other["hits"], config.n_boot, 0, config.level, groups=users)
+    """Paired R@1 difference challenger - `name` on the same requests at the policy's level; passes
+    when low >= -margin (`prerank_margin` against the pre-rank, `gate_margin` against the rest)."""
+    level = config.policy.level
+    margin = config.policy.prerank_margin if name == "prerank" else config.policy.gate_margin
+    paired = paired_bootstrap(challenger["hits"], other["hits"], config.n_boot, 0, level=level, groups=users)
     numbers = {
         f"recall@1_vs_{name}": paired.mean_diff,
         f"recall@1_vs_{name}.low": paired.low,
@@ -213,9 +217,9 @@ def _non_inferior(
     }
     detail = (
         f"challenger R@1 {challenger['recall@1']:.3f} vs {name} {other['recall@1']:.3f}, paired "
-        f"{config.level:.0%} interval [{paired.low:+.3f}, {paired.high:+.3f}], margin {config.margin}"
+        f"{level:.0%} interval [{paired.low:+.3f}, {paired.high:+.3f}], margin {margin}"
     )
-    return at_least(f"recall@1_vs_{name}.low", paired.low, -config.margin, detail), numbers
+    return at_least(f"recall@1_vs_{name}.low", paired.low, -margin, detail), numbers
 
 
 def _speed_check(challenger: float, teacher: float, config: GateConfig) -> tuple[Check, dict[str, float]]:
@@ -225,8 +229,9 @@ def _speed_check(challenger: float, teacher: float, config: GateConfig) -> tuple
     `min_speed_ratio` and the interval covers at least `level`: with too few rounds its range claims a
     coverage it does not have (1 round: 0%, 5: 94%), so the check fails and says how many it needs.
     """
+    level = config.policy.level
     rates = [r if isinstance(r, TimedRate) else TimedRate([float(r)]) for r in (challenger, teacher)]
-    ratio = speedup(rates[0], rates[1], config.level)
+    ratio = speedup(rates[0], rates[1], level)
     numbers = {
         "speed_ratio_vs_ar_rl": ratio.value,
         "speed_ratio_vs_ar_rl.low": ratio.low,
@@ -238,20 +243,21 @@ def _speed_check(challenger: float, teacher: float, config: GateConfig) -> tuple
         f"{float(challenger):.0f} vs {float(teacher):.0f} output tokens/s, speed-up {ratio.value:.2f}x, "
         f"interval [{ratio.low:.2f}, {ratio.high:.2f}] ({ratio.coverage:.0%}, {ratio.rounds} per-round ratios)"
     )
-    check = at_least("speed_ratio_vs_ar_rl.low", ratio.low, config.min_speed_ratio, detail)
-    if ratio.coverage < config.level - 1e-12:
-        detail += f"; too few timing rounds: {ratio.rounds} cover {ratio.coverage:.1%} < {config.level:.0%}"
+    check = at_least("speed_ratio_vs_ar_rl.low", ratio.low, config.policy.min_speed_ratio, detail)
+    if not clears(ratio.coverage, level):
+        detail += f"; too few timing rounds: {ratio.rounds} cover {ratio.coverage:.1%} < {level:.0%}"
         check = Check(check.name, check.value, check.threshold, False, detail)
     return check, numbers
 
 
 def _own_valid(side: dict[str, Any], config: GateConfig) -> Check:
-    return at_least(
-        "unforced_rate",
-        side["unforced_rate"],
-        config.min_unforced_rate,
-        "the model's own valid rate: answers decoded without the grammar that it accepts",
-    )
+    """The own-valid floor; a side without the figure fails it, saying so (never a pass by default)."""
+    own = side.get("unforced_rate")
+    detail = "the model's own valid rate: answers decoded without the grammar that it accepts"
+    if own is None:
+        detail = "no unforced_rate figure (the free pass was not scored): " + detail
+    value = math.nan if own is None else float(own)
+    return at_least("unforced_rate", value, config.policy.min_unforced_rate, detail)
 
 
 def _verdict(
@@ -270,10 +276,11 @@ def _verdict(
         "checks": [asdict(c) for c in checks],
         "numbers": numbers,
         "thresholds": {
-            "margin": config.margin,
-            "min_unforced_rate": config.min_unforced_rate,
-            "min_speed_ratio": config.min_speed_ratio,
-            "level": config.level,
+            "margin": config.policy.gate_margin,
+            "prerank_margin": config.policy.prerank_margin,
+            "min_unforced_rate": config.policy.min_unforced_rate,
+            "min_speed_ratio": config.policy.min_speed_ratio,
+            "level": config.policy.level,
         },
         **{
             f"{side}_metrics": None if m is None else {k: v for k, v in m.items() if k != "hits"}
@@ -321,8 +328,8 @@ def decide(
         "teacher.recall@1": teacher["recall@1"],
         "prerank.recall@1": prerank["recall@1"],
         "valid_rate": challenger["valid_rate"],  # reported: under the grammar it is 1 by construction
-        "unforced_rate": challenger["unforced_rate"],
-        "teacher.unforced_rate": teacher["unforced_rate"],
+        "unforced_rate": challenger.get("unforced_rate"),
+        "teacher.unforced_rate": teacher.get("unforced_rate"),
         **speed,
         "challenger.tokens_per_s": float(challenger["output_tokens_per_s"]),
         "teacher.tokens_per_s": float(teacher["output_tokens_per_s"]),
@@ -362,7 +369,7 @@ def decide_teacher(
         "champion.recall@1": champion["recall@1"] if champion else None,
         "prerank.recall@1": prerank["recall@1"],
         "valid_rate": teacher["valid_rate"],
-        "unforced_rate": teacher["unforced_rate"],
+        "unforced_rate": teacher.get("unforced_rate"),
         "n_requests": teacher["n"],
     }
     first = "" if champion else " (no teacher champion yet: compared with the pre-rank)"

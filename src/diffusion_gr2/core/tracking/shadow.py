@@ -15,7 +15,7 @@ champion logged, and the gate gets checks on:
 * delayed feedback: where a later delivery holds a logged user's next interaction (the user's
   earliest delivered row whose item is not in the request's history), the realised hit rate (top-1
   = that item) of the served answer and of the challenger's, with a paired bootstrap interval over
-  users (`metrics.paired_bootstrap`, the gate's margin and level).
+  users (`metrics.paired_bootstrap`, the serving policy's `gate_margin` and `level`).
 
 The evidence is checked first, each count against its minimum: `shadow.requests` (logged requests
 of the serving champion that the compared models can serve, at least `min_requests`) and
@@ -42,6 +42,7 @@ from scipy.stats import kendalltau
 
 from diffusion_gr2.core.bench.harness import speedup
 from diffusion_gr2.core.evaluate.metrics import paired_bootstrap
+from diffusion_gr2.core.evaluate.policy import clears
 from diffusion_gr2.core.tracking.gate import Check, GateConfig, at_least, servable
 from diffusion_gr2.core.tracking.registry import VersionRef
 from diffusion_gr2.core.tracking.serving import PrerankRanker, Ranker
@@ -223,7 +224,9 @@ def evaluate(
         at_least(
             "shadow.rank_correlation", tau, config.min_rank_correlation, "mean Kendall tau to the served"
         ),
-        at_least("shadow.unforced_rate", own, gate.min_unforced_rate, "own valid rate on logged traffic"),
+        at_least(
+            "shadow.unforced_rate", own, gate.policy.min_unforced_rate, "own valid rate on logged traffic"
+        ),
     ]
     latency = _latency_check(challenger, champ, records, config, gate, numbers)
     if isinstance(champ, PrerankRanker):  # no decoder to be slower than: the figures are reported only
@@ -250,7 +253,8 @@ def _latency_check(
     ours, theirs = _latencies(challenger, champ, timed)
     numbers["shadow.latency_ms.p50"] = float(np.median(ours))
     numbers["shadow.champion.latency_ms.p50"] = float(np.median(theirs))
-    ratio = speedup([1.0 / x for x in ours], [1.0 / x for x in theirs], gate.level)
+    level = gate.policy.level
+    ratio = speedup([1.0 / x for x in ours], [1.0 / x for x in theirs], level)
     numbers |= {
         "shadow.speedup_vs_champion": ratio.value,
         "shadow.speedup_vs_champion.low": ratio.low,
@@ -261,8 +265,8 @@ def _latency_check(
         f"({ratio.coverage:.0%}) over {len(timed)} requests at batch 1"
     )
     check = at_least(name, ratio.low, config.min_speedup, detail)
-    if ratio.coverage < gate.level - 1e-12:
-        detail += f"; too few timed requests: {len(timed)} cover {ratio.coverage:.1%} < {gate.level:.0%}"
+    if not clears(ratio.coverage, level):
+        detail += f"; too few timed requests: {len(timed)} cover {ratio.coverage:.1%} < {level:.0%}"
         check = Check(name, check.value, check.threshold, False, detail)
     return check
 
@@ -282,7 +286,8 @@ def _feedback_check(
     ours = [float(mine[i][0] == nexts[i]) for i in keep]
     theirs = [float(rows["ranking"].iloc[i][0] == nexts[i]) for i in keep]
     users = [str(rows["user_id"].iloc[i]) for i in keep]
-    paired = paired_bootstrap(ours, theirs, gate.n_boot, 0, gate.level, groups=users)
+    level, margin = gate.policy.level, gate.policy.gate_margin
+    paired = paired_bootstrap(ours, theirs, gate.n_boot, 0, level=level, groups=users)
     numbers |= {
         "shadow.hit_rate": float(np.mean(ours)),
         "shadow.champion.hit_rate": float(np.mean(theirs)),
@@ -292,6 +297,6 @@ def _feedback_check(
     }
     detail = (
         f"realised hit rate {np.mean(ours):.3f} vs served {np.mean(theirs):.3f} on {len(keep)} requests, "
-        f"paired {gate.level:.0%} interval [{paired.low:+.3f}, {paired.high:+.3f}], margin {gate.margin}"
+        f"paired {level:.0%} interval [{paired.low:+.3f}, {paired.high:+.3f}], margin {margin}"
     )
-    return at_least(name, paired.low, -gate.margin, detail)
+    return at_least(name, paired.low, -margin, detail)

@@ -12,6 +12,7 @@ from transformers import PreTrainedTokenizerFast
 
 from diffusion_gr2.core.evaluate.metrics import REASONING_METRICS, prompt_contexts, reasoning_metrics
 from diffusion_gr2.core.evaluate.plots import metric_figure, valid_rate_figure
+from diffusion_gr2.core.evaluate.policy import Policy
 from diffusion_gr2.core.evaluate.rankings import (
     EvaluationConfig,
     compare_systems,
@@ -48,9 +49,12 @@ def compute_stage_metrics(rankings: pd.DataFrame, params: dict[str, Any]) -> dic
     return {"stage_metrics": rows, "stage_metrics_md": metrics_markdown(rows)}
 
 
-def compare_to_baselines(rankings: pd.DataFrame, params: dict[str, Any]) -> list[dict[str, Any]]:
-    """Paired bootstrap of every system against the AR teacher and the pre-rank."""
-    return compare_systems(rankings, _config(params))
+def compare_to_baselines(
+    rankings: pd.DataFrame, params: dict[str, Any], policy: dict[str, Any]
+) -> list[dict[str, Any]]:
+    """Paired bootstrap of every system against the AR teacher and the pre-rank, at the serving
+    policy's level (`params:policy`: the level the operating point and the gate decide at)."""
+    return compare_systems(rankings, _config(params), Policy.from_params(policy).level)
 
 
 def log_eval_metrics(stage_rows: list[dict[str, Any]], comparisons: list[dict[str, Any]]) -> dict[str, Any]:

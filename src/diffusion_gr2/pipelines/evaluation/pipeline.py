@@ -60,7 +60,7 @@ def create_pipeline(**kwargs) -> Pipeline:
             ),
             Node(
                 compare_to_baselines,
-                inputs=["rankings", "params:evaluation"],
+                inputs=["rankings", "params:evaluation", "params:policy"],
                 outputs="comparisons",
                 name="compare_to_baselines",
             ),

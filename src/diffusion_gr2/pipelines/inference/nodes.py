@@ -2,7 +2,8 @@
 
 A diffusion system named in `operating_point.systems` chooses its operating point on validation in
 one core call (`core/rank/point_search.py::search_operating_point`: decode the candidates, pair
-them with `ar_rl`, gate, time the admitted in the harness, choose) and gets back its validation rows
+them with `ar_rl` and the pre-rank, hold them to the serving policy (`params:policy`, the gate's
+too), time the admitted in the harness, choose) and gets back its validation rows
 and the record `operating_point.json` holds; the choosing systems and `ar_rl` decode every
 validation request, the systems of `valid_sweep` (which choose nothing: `rl`, the comparison before
 distillation) the first `sweep_max_requests`, and the others none (their rows would choose nothing
@@ -21,6 +22,7 @@ from typing import Any
 import pandas as pd
 from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
+from diffusion_gr2.core.evaluate.policy import Policy
 from diffusion_gr2.core.evaluate.rankings import rankings_summary
 from diffusion_gr2.core.rank.point_search import (
     OperatingPointConfig,
@@ -95,9 +97,9 @@ def make_rerank_node(system: str) -> Callable[..., pd.DataFrame | dict[str, Any]
     """The node function of one model system (named `rerank_<system>` for the DAG and the logs).
 
     An AR system's node returns its rankings frame; a diffusion system's a dict of its rankings and
-    its operating point (None when it is not chosen for that system), with `reference` the
-    rankings of `operating_point.reference` (`ar_rl`) and `reference_model` its model (timed beside
-    the candidates).
+    its operating point (None when it is not chosen for that system), with `policy` the serving
+    policy (`params:policy`), `reference` the rankings of `operating_point.reference` (`ar_rl`) and
+    `reference_model` its model (timed beside the candidates).
     """
 
     def rerank_model(
@@ -105,11 +107,12 @@ def make_rerank_node(system: str) -> Callable[..., pd.DataFrame | dict[str, Any]
         requests: pd.DataFrame,
         tokenizer: PreTrainedTokenizerFast,
         params: dict[str, Any],
+        policy: dict[str, Any],
         reference: pd.DataFrame | None = None,
         reference_model: PreTrainedModel | None = None,
     ) -> pd.DataFrame | dict[str, Any]:
         decoding = RerankConfig(**params["decoding"])
-        config = OperatingPointConfig.from_params(params["operating_point"])
+        config = OperatingPointConfig.from_params(params["operating_point"], Policy.from_params(policy))
         model = prepare_model(model, decoding.device)
         frames, operating_point = [], None
         if "valid" in params["splits"]:

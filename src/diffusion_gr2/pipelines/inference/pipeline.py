@@ -29,7 +29,7 @@ def _output(system: str) -> str:
 def _system_node(system: str, systems: Sequence[str]) -> Node:
     if system == "prerank":
         return Node(rerank_prerank, ["requests", "params:inference"], _output(system), name="rerank_prerank")
-    inputs = [f"model_{system}", "requests", "tokenizer", "params:inference"]
+    inputs = [f"model_{system}", "requests", "tokenizer", "params:inference", "params:policy"]
     if system not in AR_SYSTEMS and REFERENCE in systems:  # its rankings and its model (timed beside)
         inputs += [f"rankings_{REFERENCE}", f"model_{REFERENCE}"]
     return Node(make_rerank_node(system), inputs=inputs, outputs=_output(system), name=f"rerank_{system}")

@@ -11,6 +11,7 @@ from typing import Any
 import mlflow
 import pandas as pd
 
+from diffusion_gr2.core.evaluate.policy import Policy
 from diffusion_gr2.core.rank.point_search import OperatingPointConfig, search_beside_reference
 from diffusion_gr2.core.rank.rerank import SERVED_DIFFUSION, RerankConfig, select_requests
 from diffusion_gr2.core.tracking import model_card, registry, shadow
@@ -103,18 +104,24 @@ def _serving(
 
 
 def choose_operating_point(
-    model_diffusion: Any, model_ar_rl: Any, requests: pd.DataFrame, tokenizer: Any, inference: dict[str, Any]
+    model_diffusion: Any,
+    model_ar_rl: Any,
+    requests: pd.DataFrame,
+    tokenizer: Any,
+    inference: dict[str, Any],
+    policy: dict[str, Any],
 ) -> dict[str, Any]:
     """The served diffusion system's operating point for the models this retrain trained, on its
     validation requests: `operating_point.json`'s entry, keyed by the system ({} when
     `inference.operating_point.systems` does not name it).
 
-    The inference stage's rule and settings, in one core call (`search_beside_reference`: `ar_rl`
-    decodes the validation requests, then the candidates are decoded, gated, timed beside it and one
-    chosen or all refused); validation only: the test passes are the default run's report, and the
-    gate measures the challenger on the newest test requests itself.
+    The inference stage's rule and settings under the serving `policy` (`params:policy`, which the
+    gate reads too), in one core call (`search_beside_reference`: `ar_rl` decodes the validation
+    requests, then the candidates are decoded, gated, timed beside it and one chosen or all
+    refused); validation only: the test passes are the default run's report, and the gate measures
+    the challenger on the newest test requests itself.
     """
-    config = OperatingPointConfig.from_params(inference["operating_point"])
+    config = OperatingPointConfig.from_params(inference["operating_point"], Policy.from_params(policy))
     if not config.chooses(SERVED_DIFFUSION):
         logger.info("%s chooses no operating point (inference.operating_point.systems)", SERVED_DIFFUSION)
         return {}
@@ -193,8 +200,15 @@ def register_models(
 def gate_requests(
     candidates: pd.DataFrame, splits: pd.DataFrame, items: pd.DataFrame, params: dict[str, Any]
 ) -> pd.DataFrame:
-    """The newest time slice of the test requests, in raw item ids (the gate's held-out set)."""
+    """The newest time slice of the test requests, in raw item ids (the gate's held-out set; which
+    requests, not what they must reach: no policy is read here)."""
     return newest_slice(candidates, splits, items, GateConfig(**params["gate"]))
+
+
+def gate_config(params: dict[str, Any], policy: dict[str, Any]) -> GateConfig:
+    """`retrain.gate` (how the gate measures) with the serving policy (what it asks): `params` is
+    `retrain`, `policy` the `policy` block the operating point's choice reads too."""
+    return GateConfig(**params["gate"], policy=Policy.from_params(policy))
 
 
 def _ranker(uri: str) -> Ranker:
@@ -202,10 +216,11 @@ def _ranker(uri: str) -> Ranker:
 
 
 def _shadow(
-    params: dict[str, Any], serving: dict[str, Any], ingest_report: dict[str, Any] | None
+    params: dict[str, Any], serving: dict[str, Any], gate: GateConfig, ingest_report: dict[str, Any] | None
 ) -> Callable[[Ranker], dict[str, Any]] | None:
     """The shadow evaluation of a challenger on the request log of the champion serving now (before
-    the gate moves it), with this retrain's delivery as feedback; None when `retrain.shadow` is off."""
+    the gate moves it), with this retrain's delivery as feedback, held to `gate`'s policy; None when
+    `retrain.shadow` is off."""
     config = shadow.ShadowConfig(**params["shadow"])
     if not config.enabled:
         return None
@@ -213,7 +228,6 @@ def _shadow(
     log_config = RequestLogConfig(**serving["request_log"])
     log, torn = read_log(log_config.folder) if log_config.enabled else (pd.DataFrame(), 0)
     delivered = delivered_interactions(ingest_report)
-    gate = GateConfig(**params["gate"])
 
     def replay(challenger: Ranker) -> dict[str, Any]:
         report = shadow.evaluate(challenger, served, _ranker, log, delivered, gate, config)
@@ -231,19 +245,22 @@ def run_gate(
     requests: pd.DataFrame,
     params: dict[str, Any],
     serving: dict[str, Any],
+    policy: dict[str, Any],
     ingest_report: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Gate the new versions, promote what passes, else the pre-rank (`promotion.gate_and_promote`); log it.
 
-    The diffusion challenger also replays the champion's logged requests (`_shadow`; feedback from
-    `ingest_report`'s delivery, none after a first run). The retrain lock is released however the gate ends.
+    Every bar is the serving `policy`'s (`params:policy`: the one the operating point was chosen
+    under). The diffusion challenger also replays the champion's logged requests (`_shadow`; feedback
+    from `ingest_report`'s delivery, none after a first run). The retrain lock is released however the
+    gate ends.
     """
     # before the try: the finally releases it (a `retrain` section refused here was refused by the
     # ingest, which takes the lock, first)
     lock_file = RetrainConfig.from_params(params).lock_file
     try:
-        config = GateConfig(**params["gate"])
-        replay = _shadow(params, serving, ingest_report)
+        config = gate_config(params, policy)
+        replay = _shadow(params, serving, config, ingest_report)
         result = gate_and_promote(versions, requests, config, _ranker, shadow=replay)
         if mlflow.active_run() is not None:
             mlflow.set_tags(

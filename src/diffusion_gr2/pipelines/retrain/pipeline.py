@@ -65,7 +65,7 @@ def registration_pipeline(delivery: str | None = None) -> Pipeline:
             ),
             Node(
                 run_gate,
-                ["registered_versions", "gate_requests", "params:retrain", "params:serving"]
+                ["registered_versions", "gate_requests", "params:retrain", "params:serving", "params:policy"]
                 + ([delivery] if delivery else []),
                 {"gate_report": "gate_report", "gate_metrics": "gate_metrics"},
                 name="run_gate",
@@ -136,7 +136,14 @@ def retrain_pipeline() -> Pipeline:
         [
             Node(
                 choose_operating_point,
-                [f"model_{SERVED_DIFFUSION}", "model_ar_rl", "requests", "tokenizer", "params:inference"],
+                [
+                    f"model_{SERVED_DIFFUSION}",
+                    "model_ar_rl",
+                    "requests",
+                    "tokenizer",
+                    "params:inference",
+                    "params:policy",  # the gate's (run_gate) too
+                ],
                 "operating_point",
                 name="choose_operating_point",
             )
