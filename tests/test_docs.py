@@ -121,3 +121,65 @@ def test_patterns_catch_narration(text: str) -> None:
 )
 def test_patterns_leave_present_tense_alone(text: str) -> None:
     assert not any(p.search(text) for _, p in PATTERNS)
+
+
+# ---- the module map names every module ------------------------------------------------------------
+
+ARCHITECTURE = ROOT / "docs" / "architecture.md"
+PACKAGE = ROOT / "src" / "diffusion_gr2"
+
+
+def module_map() -> dict[str, str]:
+    """The `## Module map` section of docs/architecture.md as bullet head -> bullet text: a bullet starts
+    with `* ` (nested ones indented) and its head is its first backticked folder, `core/train/`."""
+    text = ARCHITECTURE.read_text(encoding="utf-8").split("\n## Module map\n", 1)[1].split("\n## ", 1)[0]
+    bullets: dict[str, str] = {}
+    head = None
+    for line in text.splitlines():
+        start = re.match(r"\s*\* `([\w/]+/)`", line)
+        if start:
+            head = start.group(1)
+            bullets[head] = bullets.get(head, "") + line
+        elif head is not None and line.startswith(" "):
+            bullets[head] += " " + line.strip()
+        else:
+            head = None
+    return bullets
+
+
+def unmapped(modules: list[str], bullets: dict[str, str]) -> list[str]:
+    """The modules (`core/train/trajectory.py`, relative to the package) that no bullet of their folder
+    names (`` `trajectory.py` ``), nor the map by their path."""
+    everything = " ".join(bullets.values())
+    missing = []
+    for module in modules:
+        folder, name = module.rsplit("/", 1)
+        named = f"`{name}`" in bullets.get(folder + "/", "") or module in everything
+        if not named:
+            missing.append(module)
+    return missing
+
+
+def _modules() -> list[str]:
+    return sorted(
+        str(p.relative_to(PACKAGE))
+        for folder in ("core", "pipelines")
+        for p in (PACKAGE / folder).rglob("*.py")
+        if p.name != "__init__.py"
+    )
+
+
+def test_the_module_map_names_every_module() -> None:
+    missing = unmapped(_modules(), module_map())
+    assert not missing, (
+        "docs/architecture.md#module-map has no line for: " + ", ".join(missing) + " (add the module to "
+        "its folder's bullet, or a bullet for a new folder)"
+    )
+
+
+def test_a_module_without_a_line_is_caught() -> None:
+    bullets = module_map()
+    assert unmapped(["core/train/loop.py", "core/train/not_a_module.py", "core/nowhere/x.py"], bullets) == [
+        "core/train/not_a_module.py",
+        "core/nowhere/x.py",
+    ]
