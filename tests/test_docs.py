@@ -123,6 +123,82 @@ def test_patterns_leave_present_tense_alone(text: str) -> None:
     assert not any(p.search(text) for _, p in PATTERNS)
 
 
+# ---- documents outside the repository -------------------------------------------------------------
+
+# What a reader of the repository cannot open: the workspace's design, style and reference notes and
+# the documents the project was created from. Built from parts so this file does not name them itself.
+_OUTSIDE = "|".join(
+    [
+        r"\b" + "DESIGN" + r"\s*§",
+        r"\b" + "DESIGN" + r"\.md\b",
+        r"\b" + "STYLE" + r"\s+\d+",
+        r"\b" + "STYLE" + r"\.md\b",
+        r"\b" + "REFERENCE" + r"\.md\b",
+        r"(?<![\w.-])" + "seeds" + "/",
+    ]
+)
+OUTSIDE_DOCUMENTS = re.compile(_OUTSIDE)
+TEXT_SUFFIXES = {".py", ".md", ".yml", ".yaml", ".sh", ".toml", ".txt", ".j2", ".cfg", ".json"}
+
+
+def _repository_texts() -> list[Path]:
+    """Every text file of src, tests, benchmarks, conf (but a user's conf/local), docs, airflow_dags,
+    and README.md, Makefile, dvc.yaml, pyproject.toml."""
+    files = [ROOT / name for name in ("README.md", "Makefile", "dvc.yaml", "pyproject.toml")]
+    for folder in ("src", "tests", "benchmarks", "conf", "docs", "airflow_dags"):
+        files += sorted(
+            p
+            for p in (ROOT / folder).rglob("*")
+            if p.is_file()
+            and p.suffix in TEXT_SUFFIXES
+            and "__pycache__" not in p.parts
+            and p.relative_to(ROOT).parts[:2] != ("conf", "local")
+        )
+    return files
+
+
+def outside_references(path: Path) -> list[str]:
+    """``path:line: '<text>'`` for every line that points the reader at a document outside the repository."""
+    found = []
+    for number, line in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), 1):
+        if OUTSIDE_DOCUMENTS.search(line):
+            found.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()!r}")
+    return found
+
+
+def test_nothing_points_at_documents_outside_the_repository() -> None:
+    found = [line for path in _repository_texts() for line in outside_references(path)]
+    assert not found, (
+        "these point at documents a user of the repository cannot read; point into docs/ instead "
+        "(docs/architecture.md, evaluation.md, operations.md, distributed.md, defaults.md):\n"
+        + "\n".join(found)
+    )
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "(" + "DESIGN" + " §4)",
+        "see " + "DESIGN" + "§10's keys",
+        "the workspace's `shared/" + "DESIGN" + ".md`",
+        "(" + "STYLE" + " 3, " + "DESIGN" + " §5)",
+        "the house style (" + "STYLE" + ".md)",
+        "numbers in " + "REFERENCE" + ".md",
+        "the documents in `" + "seeds" + "/`",
+    ],
+)
+def test_outside_references_are_caught(text: str) -> None:
+    assert OUTSIDE_DOCUMENTS.search(text)
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["CORE_KEYS = {", "the designs of both", "style: 3 lines", "three seeds (0, 1, 2)", "a seeded shuffle"],
+)
+def test_ordinary_words_are_not_outside_references(text: str) -> None:
+    assert not OUTSIDE_DOCUMENTS.search(text)
+
+
 # ---- the module map names every module ------------------------------------------------------------
 
 ARCHITECTURE = ROOT / "docs" / "architecture.md"

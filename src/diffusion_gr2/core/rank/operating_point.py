@@ -1,4 +1,5 @@
-"""The operating point of a block-diffusion re-ranker: the (tau, window) it is served at (DESIGN §8).
+"""The operating point of a block-diffusion re-ranker: the (tau, window) it is served at
+(docs/evaluation.md#how-the-operating-point-is-chosen).
 
 Chosen on the *validation* split, never on test: among the decoding settings tried there, the
 fastest whose paired R@1 difference against the AR teacher on the same requests has a 95% interval
