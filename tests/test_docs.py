@@ -126,14 +126,16 @@ def test_patterns_leave_present_tense_alone(text: str) -> None:
 # ---- documents outside the repository -------------------------------------------------------------
 
 # What a reader of the repository cannot open: the workspace's design, style and reference notes and
-# the documents the project was created from. Built from parts so this file does not name them itself.
+# the documents the project was created from. Their names are built from parts, so that this file
+# does not name them itself (a search of the repository for them comes back empty).
+_design, _style, _reference = "DES" + "IGN", "STY" + "LE", "REFER" + "ENCE"
 _OUTSIDE = "|".join(
     [
-        r"\b" + "DESIGN" + r"\s*§",
-        r"\b" + "DESIGN" + r"\.md\b",
-        r"\b" + "STYLE" + r"\s+\d+",
-        r"\b" + "STYLE" + r"\.md\b",
-        r"\b" + "REFERENCE" + r"\.md\b",
+        r"\b" + _design + r"\s*§",
+        r"\b" + _design + r"\.md\b",
+        r"\b" + _style + r"\s+\d+",
+        r"\b" + _style + r"\.md\b",
+        r"\b" + _reference + r"\.md\b",
         r"(?<![\w.-])" + "seeds" + "/",
     ]
 )
@@ -178,12 +180,12 @@ def test_nothing_points_at_documents_outside_the_repository() -> None:
 @pytest.mark.parametrize(
     "text",
     [
-        "(" + "DESIGN" + " §4)",
-        "see " + "DESIGN" + "§10's keys",
-        "the workspace's `shared/" + "DESIGN" + ".md`",
-        "(" + "STYLE" + " 3, " + "DESIGN" + " §5)",
-        "the house style (" + "STYLE" + ".md)",
-        "numbers in " + "REFERENCE" + ".md",
+        "(" + _design + " §4)",
+        "see " + _design + "§10's keys",
+        "the workspace's `shared/" + _design + ".md`",
+        "(" + _style + " 3, " + _design + " §5)",
+        "the house style (" + _style + ".md)",
+        "numbers in " + _reference + ".md",
         "the documents in `" + "seeds" + "/`",
     ],
 )
