@@ -7,7 +7,8 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 TORCH := torch==2.13.0
-# Quiet, offline tools (DESIGN §9); also set in code so plain `kedro run` is quiet too.
+# Quiet, offline tools, also set in code so plain `kedro run` is quiet too
+# (docs/operations.md#offline-and-quiet).
 export KEDRO_DISABLE_TELEMETRY=1 DO_NOT_TRACK=1 MLFLOW_DISABLE_TELEMETRY=true DVC_NO_ANALYTICS=1
 export HF_HUB_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1 TRANSFORMERS_OFFLINE=1 GX_ANALYTICS_ENABLED=False
 PIP_QUIET := 2>&1 | { grep -v "^WARNING: Location" || true; }

@@ -1,5 +1,5 @@
-"""Settings live once (STYLE 11): conf/base holds every default, an environment only what it changes,
-and every setting a document names exists with the value it states."""
+"""Settings live once (docs/architecture.md#code-conventions): conf/base holds every default, an environment
+only what it changes, and every setting a document names exists with the value it states."""
 
 from __future__ import annotations
 
@@ -235,8 +235,8 @@ def code_default_drift(configs: dict[type, list[str]], params: dict[str, Any]) -
 # Code defaults that still differ from conf/base, each with why it stays (a library user outside a
 # Kedro run relies on it); a new difference, or one of these fixed, fails the test below.
 KNOWN_CODE_DEFAULTS = {
-    # DESIGN §3's leave-one-out, which the data tests' fixtures are sized for; conf/base holds out 7
-    # points per user for the default run's statistical power
+    # leave-one-out (one test and one validation point per user, docs/evaluation.md), which the data tests'
+    # fixtures are sized for; conf/base holds out 7 points per user for the default run's statistical power
     ("PrepConfig", "test_points"),
     ("PrepConfig", "valid_points"),
     # a gate needs `sid_token_ids`, which only a tokenizer names: decode_config_for sets both (from

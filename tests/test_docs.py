@@ -121,3 +121,143 @@ def test_patterns_catch_narration(text: str) -> None:
 )
 def test_patterns_leave_present_tense_alone(text: str) -> None:
     assert not any(p.search(text) for _, p in PATTERNS)
+
+
+# ---- documents outside the repository -------------------------------------------------------------
+
+# What a reader of the repository cannot open: the workspace's design, style and reference notes and
+# the documents the project was created from. Their names are built from parts, so that this file
+# does not name them itself (a search of the repository for them comes back empty).
+_design, _style, _reference = "DES" + "IGN", "STY" + "LE", "REFER" + "ENCE"
+_OUTSIDE = "|".join(
+    [
+        r"\b" + _design + r"\s*§",
+        r"\b" + _design + r"\.md\b",
+        r"\b" + _style + r"\s+\d+",
+        r"\b" + _style + r"\.md\b",
+        r"\b" + _reference + r"\.md\b",
+        r"(?<![\w.-])" + "seeds" + "/",
+    ]
+)
+OUTSIDE_DOCUMENTS = re.compile(_OUTSIDE)
+TEXT_SUFFIXES = {".py", ".md", ".yml", ".yaml", ".sh", ".toml", ".txt", ".j2", ".cfg", ".json"}
+
+
+def _repository_texts() -> list[Path]:
+    """Every text file of src, tests, benchmarks, conf (but a user's conf/local), docs, airflow_dags,
+    and README.md, Makefile, dvc.yaml, pyproject.toml."""
+    files = [ROOT / name for name in ("README.md", "Makefile", "dvc.yaml", "pyproject.toml")]
+    for folder in ("src", "tests", "benchmarks", "conf", "docs", "airflow_dags"):
+        files += sorted(
+            p
+            for p in (ROOT / folder).rglob("*")
+            if p.is_file()
+            and p.suffix in TEXT_SUFFIXES
+            and "__pycache__" not in p.parts
+            and p.relative_to(ROOT).parts[:2] != ("conf", "local")
+        )
+    return files
+
+
+def outside_references(path: Path) -> list[str]:
+    """``path:line: '<text>'`` for every line that points the reader at a document outside the repository."""
+    found = []
+    for number, line in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), 1):
+        if OUTSIDE_DOCUMENTS.search(line):
+            found.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()!r}")
+    return found
+
+
+def test_nothing_points_at_documents_outside_the_repository() -> None:
+    found = [line for path in _repository_texts() for line in outside_references(path)]
+    assert not found, (
+        "these point at documents a user of the repository cannot read; point into docs/ instead "
+        "(docs/architecture.md, evaluation.md, operations.md, distributed.md, defaults.md):\n"
+        + "\n".join(found)
+    )
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "(" + _design + " §4)",
+        "see " + _design + "§10's keys",
+        "the workspace's `shared/" + _design + ".md`",
+        "(" + _style + " 3, " + _design + " §5)",
+        "the house style (" + _style + ".md)",
+        "numbers in " + _reference + ".md",
+        "the documents in `" + "seeds" + "/`",
+    ],
+)
+def test_outside_references_are_caught(text: str) -> None:
+    assert OUTSIDE_DOCUMENTS.search(text)
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["CORE_KEYS = {", "the designs of both", "style: 3 lines", "three seeds (0, 1, 2)", "a seeded shuffle"],
+)
+def test_ordinary_words_are_not_outside_references(text: str) -> None:
+    assert not OUTSIDE_DOCUMENTS.search(text)
+
+
+# ---- the module map names every module ------------------------------------------------------------
+
+ARCHITECTURE = ROOT / "docs" / "architecture.md"
+PACKAGE = ROOT / "src" / "diffusion_gr2"
+
+
+def module_map() -> dict[str, str]:
+    """The `## Module map` section of docs/architecture.md as bullet head -> bullet text: a bullet starts
+    with `* ` (nested ones indented) and its head is its first backticked folder, `core/train/`."""
+    text = ARCHITECTURE.read_text(encoding="utf-8").split("\n## Module map\n", 1)[1].split("\n## ", 1)[0]
+    bullets: dict[str, str] = {}
+    head = None
+    for line in text.splitlines():
+        start = re.match(r"\s*\* `([\w/]+/)`", line)
+        if start:
+            head = start.group(1)
+            bullets[head] = bullets.get(head, "") + line
+        elif head is not None and line.startswith(" "):
+            bullets[head] += " " + line.strip()
+        else:
+            head = None
+    return bullets
+
+
+def unmapped(modules: list[str], bullets: dict[str, str]) -> list[str]:
+    """The modules (`core/train/trajectory.py`, relative to the package) that no bullet of their folder
+    names (`` `trajectory.py` ``), nor the map by their path."""
+    everything = " ".join(bullets.values())
+    missing = []
+    for module in modules:
+        folder, name = module.rsplit("/", 1)
+        named = f"`{name}`" in bullets.get(folder + "/", "") or module in everything
+        if not named:
+            missing.append(module)
+    return missing
+
+
+def _modules() -> list[str]:
+    return sorted(
+        str(p.relative_to(PACKAGE))
+        for folder in ("core", "pipelines")
+        for p in (PACKAGE / folder).rglob("*.py")
+        if p.name != "__init__.py"
+    )
+
+
+def test_the_module_map_names_every_module() -> None:
+    missing = unmapped(_modules(), module_map())
+    assert not missing, (
+        "docs/architecture.md#module-map has no line for: " + ", ".join(missing) + " (add the module to "
+        "its folder's bullet, or a bullet for a new folder)"
+    )
+
+
+def test_a_module_without_a_line_is_caught() -> None:
+    bullets = module_map()
+    assert unmapped(["core/train/loop.py", "core/train/not_a_module.py", "core/nowhere/x.py"], bullets) == [
+        "core/train/not_a_module.py",
+        "core/nowhere/x.py",
+    ]

@@ -47,7 +47,7 @@ class LaunchHooks:
 
 
 class LineageHooks:
-    """Tags each run with git commit, DVC hashes, pipeline and environment (DESIGN §9)."""
+    """Tags each run with git commit, DVC hashes, pipeline and environment (docs/operations.md#lineage)."""
 
     @hook_impl
     def before_pipeline_run(self, run_params: dict[str, Any]) -> None:
@@ -108,7 +108,8 @@ def raw_files(params: Any) -> dict[str, Path]:
 
 
 class NodeLineageHooks:
-    """Name every node's inputs and outputs, with content hashes, on the active MLflow run (DESIGN §9).
+    """Name every node's inputs and outputs, with content hashes, on the active MLflow run
+    (docs/operations.md#lineage).
 
         Inputs are hashed before the node runs and outputs after Kedro saved them (``after_node_run``
         comes before the saves); the record is written once the node's last output is saved. Raw files

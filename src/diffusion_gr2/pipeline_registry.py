@@ -1,4 +1,5 @@
-"""Project pipelines: one folder per stage under ``pipelines/`` (DESIGN §2, §10)."""
+"""Project pipelines: one folder per stage under ``pipelines/``
+(docs/architecture.md#names-and-report-files)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Offline, quiet process environment: no telemetry, no hub downloads (DESIGN §9)."""
+"""Offline, quiet process environment: no telemetry, no hub downloads
+(docs/operations.md#offline-and-quiet)."""
 
 from __future__ import annotations
 

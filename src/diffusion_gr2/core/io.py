@@ -1,9 +1,9 @@
 """Atomic artifact writes: a file or directory appears complete or not at all.
 
 Every artifact and checkpoint goes through these helpers so that a crash mid-write never leaves a
-half-written file for a downstream stage (or a resumed run) to read — DESIGN §6 "atomic writes".
-The pattern is always: write into a temp path in the *same* folder (same filesystem, so the rename
-is atomic), flush to disk, then ``os.replace`` onto the final name.
+half-written file for a downstream stage (or a resumed run) to read (docs/architecture.md#training-stages,
+"Atomic writes"). The pattern is always: write into a temp path in the *same* folder (same filesystem, so the
+rename is atomic), flush to disk, then ``os.replace`` onto the final name.
 """
 
 from __future__ import annotations

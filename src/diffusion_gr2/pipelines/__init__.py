@@ -1,4 +1,4 @@
-"""The project's Kedro pipelines, one folder per stage (DESIGN §2, §10)."""
+"""The project's Kedro pipelines, one folder per stage (docs/architecture.md#names-and-report-files)."""
 
 # `__default__` runs these in order; the training stages are what a retrain reruns (inference and
 # evaluation are not needed to gate).

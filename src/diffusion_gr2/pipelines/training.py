@@ -96,7 +96,7 @@ def train_supervised(
     """SFT (an AR model) or CFT (a converted model): the block size comes from the model itself.
 
     Answer tokens weigh more than reasoning tokens (GR2); for block size k > 1 the loss is the
-    masked-diffusion CE with complementary views and the token shift (DESIGN §6).
+    masked-diffusion CE with complementary views and the token shift (docs/architecture.md#training-stages).
     """
     config = SupervisedConfig(**params["supervised"], block_size=policy_block_size(model))
     make_batch = example_batches(sft_examples, tokenizer.pad_token_id, config)

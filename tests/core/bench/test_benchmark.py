@@ -36,9 +36,10 @@ from tests.core.model.tiny import tiny_model_for
 from tests.core.rank.world import make_world
 
 MAX_NEW = 8
-# DESIGN §10: the keys of a `benchmark.json` row; the benchmark adds `window`, `operating_point`, the
-# speed-up's interval, the statistic's name and the per-round figures (issue 28).
-DESIGN_KEYS = {
+# The core keys of a `benchmark.json` row (docs/architecture.md#names-and-report-files); the benchmark
+# adds `window`, `operating_point`, the speed-up's interval, the statistic's name and the per-round
+# figures (issue 28).
+CORE_KEYS = {
     "system",
     "tau",
     "batch_size",
@@ -160,10 +161,10 @@ def _row(rows, system, batch_size=1, constrained=False, **match):
     return row
 
 
-def test_benchmark_keys_are_designs_plus_window_operating_point_and_the_interval() -> None:
+def test_benchmark_keys_are_the_core_ones_plus_window_operating_point_and_the_interval() -> None:
     extra = {"speedup_vs_ar_low", "speedup_vs_ar_high", "statistic", "tokens_per_s_by_round"}
     extra |= {"speedup_vs_best_ar", "speedup_vs_best_ar_low", "speedup_vs_best_ar_high", "best_ar"}
-    assert set(BENCHMARK_KEYS) == DESIGN_KEYS | {"window", "operating_point"} | extra
+    assert set(BENCHMARK_KEYS) == CORE_KEYS | {"window", "operating_point"} | extra
     assert len(BENCHMARK_KEYS) == len(set(BENCHMARK_KEYS))
 
 

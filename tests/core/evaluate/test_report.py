@@ -10,6 +10,7 @@ import pandas as pd
 import pytest
 
 from diffusion_gr2.core.evaluate import report as R
+from diffusion_gr2.core.tracking.manifest import RunManifest, RunSources
 from tests.conftest import empty_mlflow_store
 
 CI = {
@@ -187,24 +188,56 @@ def test_the_forward_cost_table_is_relative_to_an_ar_step_with_intervals() -> No
     assert "predates the step-cost fix" in old
 
 
-def test_training_curves_come_from_the_newest_run_that_logged_each_stage(tmp_path: Path) -> None:
+def _sources(run_id: str | None) -> RunSources:
+    """Report files whose stage table a run `run_id` wrote (None: outside MLflow)."""
+    return RunSources({"stage_metrics.json": STAGES}, {"stage_metrics.json": RunManifest(run_id=run_id)})
+
+
+def test_training_curves_come_from_the_report_run_not_a_newer_one(tmp_path: Path) -> None:
     mlflow.set_tracking_uri(empty_mlflow_store(tmp_path / "mlflow.db"))
     try:
         experiment = mlflow.create_experiment("curves", artifact_location=str(tmp_path / "artifacts"))
-        with mlflow.start_run(experiment_id=experiment):  # trains cft
+        with mlflow.start_run(experiment_id=experiment) as reported:  # trains cft and rl, evaluates
             for step, loss in enumerate((3.0, 2.0, 1.5)):
                 mlflow.log_metric("cft.loss", loss, step=step)
-        with mlflow.start_run(experiment_id=experiment):  # a later run: evaluation only, then rl
-            mlflow.log_metric("eval.rl.recall_at_1", 0.2)
+            mlflow.log_metrics({"rl.loss": 0.7, "rl.reward_mean": 0.25}, step=2)
+        with mlflow.start_run(experiment_id=experiment) as newer:  # a later run retrains rl, trains opd
             mlflow.log_metrics({"rl.loss": 0.1, "rl.reward_mean": -0.5}, step=4)
-        curves = R.load_training_curves(experiment, ["cft", "rl", "opd"])
+            mlflow.log_metric("opd.loss", 0.3, step=1)
+        # the benchmark re-renders the report in its own run: the stage table's run still decides
+        run = R.report_run(_sources(reported.info.run_id), writing_run=newer.info.run_id)
+        curves = R.load_training_curves(run, ["cft", "rl", "opd"])
+        assert R.load_training_curves("0" * 32, ["cft"]) == {}  # a run the store does not hold
     finally:
         mlflow.set_tracking_uri("")
+    assert run == reported.info.run_id
     assert curves == {
         "cft": {"loss": [(0, 3.0), (1, 2.0), (2, 1.5)]},
-        "rl": {"loss": [(4, 0.1)], "reward_mean": [(4, -0.5)]},
-    }  # opd never trained: absent
+        "rl": {"loss": [(2, 0.7)], "reward_mean": [(2, 0.25)]},
+    }  # rl as the reported run trained it, not the newer run's; opd only in the newer run: absent
     assert R.load_training_curves(None, ["cft"]) == {}
+
+    inputs = _inputs(
+        training_curves=curves,
+        training_stages=("cft", "opd", "rl"),
+        runs=_sources(reported.info.run_id),
+        writing_run=newer.info.run_id,
+    )
+    assert R.missing_curves(inputs) == ["opd"]
+    text = R.render_markdown(inputs, R.report_figures(inputs))
+    assert f"metric history of run {run[:8]}, the run the stage table comes from" in text
+    assert f"**Not in run {run[:8]}**: `opd` (trained in another run, or not trained" in text
+
+
+def test_the_report_run_is_the_stage_tables_else_the_writing_run() -> None:
+    assert R.report_run(_sources("a" * 32), "b" * 32) == "a" * 32
+    assert R.report_run(None, "b" * 32) == "b" * 32  # no manifests read: the run writing the report
+    assert R.report_run(RunSources({"stage_metrics.json": STAGES}, {}), "b" * 32) == "b" * 32
+    assert R.report_run(_sources(None), "b" * 32) is None  # stage table written outside MLflow
+    none = _inputs(runs=_sources(None), training_stages=("cft",))
+    assert "come from no MLflow run" in R.render_markdown(none, R.report_figures(none))
+    empty = _inputs(runs=_sources("c" * 32), training_stages=("cft",))
+    assert "No history was found in run cccccccc" in R.render_markdown(empty, R.report_figures(empty))
 
 
 def test_a_metric_older_stage_rows_lack_prints_a_dash() -> None:

@@ -29,8 +29,8 @@ def _roles(pv: list[bool], rv: list[bool], two_copies: bool) -> list[tuple[str, 
 
 
 def _allowed(q: tuple[str, int, bool], kv: tuple[str, int, bool]) -> bool:
-    """DESIGN §5 in words: prompt causal, never sees the response; clean copy block-causal + prompt;
-    noisy block sees the prompt, strictly earlier clean blocks and itself."""
+    """docs/architecture.md#models-and-attention in words: prompt causal, never sees the response; clean copy
+    block-causal + prompt; noisy block sees the prompt, strictly earlier clean blocks and itself."""
     (qp, qb, _), (kp, kb, kvalid) = q, kv
     if not kvalid:
         return False

@@ -1,6 +1,6 @@
 """Decode throughput of the AR teacher, `generate` and the block-diffusion systems: one machine, one run.
 
-What is timed (DESIGN §8, issues 13 and 17), one `benchmark.json` row per setting:
+What is timed (docs/architecture.md#decoding; issues 13 and 17), one `benchmark.json` row per setting:
 * `ar_rl` with our decoder (block size 1): the reference of every speed-up;
 * `generate`: `transformers`' `model.generate` (greedy, KV cache) on the same `ar_rl` weights
   (`generate_baseline.py`), the baseline a sceptic would reach for;
@@ -123,8 +123,9 @@ BENCHMARK_KEYS = (
     "best_ar",
     "statistic",
     "tokens_per_s_by_round",
-)  # DESIGN §10 keys of a `benchmark.json` row, plus `window`, `operating_point`, the speed-up's
-# interval, the statistic's name and the per-round figures it is the median of
+)  # the keys of a `benchmark.json` row (docs/architecture.md#names-and-report-files): the setting, its
+# figures, the speed-ups with their intervals, the statistic's name and the per-round figures it is
+# the median of
 
 
 @dataclass(frozen=True)
@@ -137,7 +138,7 @@ class BenchmarkConfig:
     """
 
     n_prompts: int = 20  # the first requests of the split (sorted by user id)
-    batch_sizes: tuple[int, ...] = (1, 4, 16, 32)  # issue 17's batch sweep (DESIGN §8: at least 1 and 16)
+    batch_sizes: tuple[int, ...] = (1, 4, 16, 32)  # issue 17's batch sweep (docs/architecture.md#decoding)
     # Systems timed at other batch sizes than `batch_sizes` (at their operating point): a full batch
     # sweep of every intermediate stage costs more than it tells.
     system_batch_sizes: Mapping[str, tuple[int, ...]] = field(

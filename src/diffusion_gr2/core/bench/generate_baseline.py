@@ -1,4 +1,5 @@
-"""`transformers` `generate` as the decode benchmark's third row: greedy, KV cache, same weights (DESIGN §8).
+"""`transformers` `generate` as the decode benchmark's third row: greedy, KV cache, same weights
+(docs/architecture.md#decoding).
 
 The benchmark times the AR teacher twice: with our decoder (block size 1) and with the library's own
 `model.generate`, the baseline a sceptic would reach for. Both see the same left-padded prompts, the

@@ -1,4 +1,5 @@
-"""From a `RawDataset` to the validated frames every later stage reads (DESIGN §3 "Preparation").
+"""From a `RawDataset` to the validated frames every later stage reads (docs/architecture.md#data,
+"Preparation").
 
 Order of operations: optional rating filter (off by default) → stable chronological sort (ties keep
 file order) → drop repeated (user, item) pairs keeping the earliest → iterative k-core on users and
@@ -48,7 +49,7 @@ class PrepConfig:
     history_cap: int = 20  # max history length shown downstream (candidates, prompts); splits stay uncapped
     seed: int = 42  # seeds the item-id shuffle
     max_reject_share: float | None = 0.05  # per raw file; above it preparation stops (None: never)
-    min_rating: float | None = None  # keep only ratings >= this; None = no rating filter (DESIGN §3)
+    min_rating: float | None = None  # keep only ratings >= this; None = no rating filter (the default)
     test_points: int = 1  # last interactions of each user held out as test requests (1 = leave-one-out)
     valid_points: int = 1  # interactions before the test points held out as validation requests
 
@@ -62,8 +63,8 @@ class PrepConfig:
         """From `params["data_prep"]`; the reader's keys (`READ_KEYS`) are skipped, any other key this
         class does not hold is refused (a typo would otherwise leave a setting at its default).
 
-        A key left out keeps its default above: DESIGN §3's preparation, which conf/base states in
-        full (there with 7 test and validation points per user, not leave-one-out).
+        A key left out keeps its default above: the preparation of docs/architecture.md#data, which conf/base
+        states in full (there with 7 test and validation points per user, not leave-one-out).
         """
         names = {f.name for f in fields(cls)}
         unknown = sorted(set(params) - names - READ_KEYS)
@@ -157,8 +158,8 @@ def remap_items(raw_ids: pd.Series, seed: int) -> dict[str, int]:
     """Raw item id → 0..I-1 by a seeded shuffle of the sorted raw ids.
 
     A shuffle rather than numbering in order of appearance: consecutive ids along user histories leak
-    the next item to a model that reads ids (a known flaw of public pipelines, DESIGN §3). Sorting
-    first makes the mapping independent of row order.
+    the next item to a model that reads ids (a known flaw of public pipelines: docs/architecture.md#data).
+    Sorting first makes the mapping independent of row order.
     """
     ordered = np.sort(raw_ids.unique().astype(str))
     permutation = np.random.default_rng(seed).permutation(len(ordered))
@@ -261,9 +262,10 @@ def leave_one_out(interactions: pd.DataFrame, test_points: int = 1, valid_points
 def data_stats(
     raw: RawDataset, interactions: pd.DataFrame, num_items: int, test_points: int = 1, valid_points: int = 1
 ) -> dict[str, Any]:
-    """``data_stats.json``: the keys of DESIGN §10 as plain Python numbers, plus ``test_points`` and
-    ``valid_points`` (points asked per user, and how many users had too few interactions to give
-    them all); ``splits`` counts interactions, so validation and test count held-out points."""
+    """``data_stats.json``: the keys of docs/architecture.md#names-and-report-files as plain Python numbers,
+    plus ``test_points`` and ``valid_points`` (points asked per user, and how many users had too few
+    interactions to give them all); ``splits`` counts interactions, so validation and test count held-out
+    points."""
     lengths = interactions.groupby("user_id").size()
     n_users, n_rows = int(lengths.size), len(interactions)
     points = points_per_user(lengths.to_numpy(), test_points)

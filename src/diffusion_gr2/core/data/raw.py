@@ -2,7 +2,8 @@
 
 Every reader turns one raw format into the same `RawDataset`. A row that cannot be used is never
 dropped silently: it goes to ``rejects`` with its file, 1-based line and a reason code, and
-`check_reject_share` stops the run when a file's rejected share exceeds the threshold (DESIGN §3).
+`check_reject_share` stops the run when a file's rejected share exceeds the threshold
+(docs/architecture.md#data).
 """
 
 from __future__ import annotations

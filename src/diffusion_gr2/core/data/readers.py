@@ -1,6 +1,6 @@
 """Raw data entry point: detect the format of a raw folder and read it into a `RawDataset`.
 
-Formats are recognised from file names (DESIGN §3):
+Formats are recognised from file names (docs/architecture.md#data):
 
 * ``amazon2014``: ``reviews_<Cat>.json[.gz]`` + ``meta_<Cat>.json[.gz]`` (Python dict literals)
 * ``amazon2018``: ``<Cat>.json[.gz]`` + ``meta_<Cat>.json[.gz]``

@@ -1,4 +1,4 @@
-"""One decoder for AR (block size 1) and block diffusion (block size k) -- DESIGN §8.
+"""One decoder for AR (block size 1) and block diffusion (block size k) (docs/architecture.md#decoding).
 
 Fast-dLLM v2 style with an exact KV cache that only ever holds clean tokens (the prompt and finished
 blocks). Read top to bottom:

@@ -26,10 +26,10 @@ ROOM = 32
 def step_width(c: int, q: int, k: int) -> int:
     """The fixed query width of a step of `c` clean tokens and a canvas of `q <= k` positions.
 
-    The kinds (DESIGN §8): the AR step (c = 1 -> 1), the canvas step (c = 0 -> k), the fused step
-    (c = k beside the next canvas -> c' + k). Clean parts of other lengths (AR jump-forward's
-    forced tokens, `fused=False`'s block alone) are padded to the next power of two, so a decode
-    meets a handful of widths, each captured once.
+    The kinds (docs/architecture.md#the-static-decode-step-cuda-graphs): the AR step (c = 1 -> 1), the canvas
+    step (c = 0 -> k), the fused step (c = k beside the next canvas -> c' + k). Clean parts of other lengths
+    (AR jump-forward's forced tokens, `fused=False`'s block alone) are padded to the next power of two, so a
+    decode meets a handful of widths, each captured once.
     """
     clean = 0 if c == 0 else 1 << (c - 1).bit_length()
     return clean + (k if q else 0)

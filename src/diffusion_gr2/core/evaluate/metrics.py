@@ -1,4 +1,5 @@
-"""The one metrics module: ranking metrics with a single relevant item, bootstrap intervals (DESIGN §7).
+"""The one metrics module: ranking metrics with a single relevant item, bootstrap intervals
+(docs/evaluation.md#metrics-and-the-reward).
 
 Per user the only input is the 1-based rank of the target (0 = absent): Recall@K = 1[rank <= K],
 NDCG@K = 1/log2(rank + 1) if rank <= K (the ideal DCG is 1 with one relevant item), reciprocal rank
@@ -327,8 +328,8 @@ def recall_ndcg_at_k(
 
 # ---- reasoning quality without an LLM judge ----------------------------------------------------------
 #
-# An answer is `{"explanation": "...", "recommendations": [...]}` (DESIGN §4). From its text and the
-# prompt alone, per answer:
+# An answer is `{"explanation": "...", "recommendations": [...]}`
+# (docs/architecture.md#items-candidates-and-prompts). From its text and the prompt alone, per answer:
 #   explanation      the JSON string value of the answer's leading "explanation" key, read even when the
 #                    rest of the answer is broken; absent when the answer does not start with that key.
 #   cited SID        a maximal run of SID tokens (`<a_12><b_7><c_201><d_3>`) in the explanation. A run that

@@ -1,4 +1,5 @@
-"""The evaluation of rankings frames (DESIGN §10): stage metrics, paired comparisons, MLflow names.
+"""The evaluation of rankings frames (docs/architecture.md#names-and-report-files): stage metrics, paired
+comparisons, MLflow names.
 
 Every number here is recomputed from `rankings.parquet` rows (`rerank.RANKING_COLUMNS`) alone:
 per (split, system, tau, window) the metrics with their user-bootstrap intervals (`stage_metrics`),
@@ -47,7 +48,8 @@ class EvaluationConfig:
 
 
 def stage_metrics(rankings: pd.DataFrame, n_boot: int = 1000, seed: int = 0) -> list[dict[str, Any]]:
-    """`stage_metrics.json` rows (DESIGN §10) per (split, system, tau, window) of `rankings`.
+    """`stage_metrics.json` rows (docs/architecture.md#names-and-report-files) per (split, system, tau,
+    window) of `rankings`.
 
     tau is None for AR systems, window None for the whole block (and for AR systems).
     """

@@ -1,12 +1,13 @@
 """The run report: every figure a reader needs, in one markdown file and one self-contained HTML file.
 
-Every number comes from the run's own files (DESIGN §10): `data_stats.json`, `sid_report.json`,
-`retrieval_report.json`, `stage_metrics.json`, `comparisons.json`, `operating_point.json`,
-`reasoning_metrics.json`, `benchmark.json` (after `make benchmark`), `decode_profile.json` (after
-`benchmarks/decode_profile.py`), the rankings (tokens per forward) and the training stages' MLflow
-metric history. A file that is absent gives a section saying so and naming the command that writes
-it; nothing is estimated in its place. Tables print 4 decimals (intervals 3), which is what a reader
-can check back against the JSON files.
+Every number comes from the run's own files (docs/evaluation.md#which-run-a-figure-came-from):
+`data_stats.json`, `sid_report.json`, `retrieval_report.json`, `stage_metrics.json`,
+`comparisons.json`, `operating_point.json`, `reasoning_metrics.json`, `benchmark.json` (after `make
+benchmark`), `decode_profile.json` (after `benchmarks/decode_profile.py`), the rankings (tokens per
+forward) and the training stages' MLflow metric history, taken from the run the stage table came
+from (`report_run`). A file that is absent gives a section saying so and naming the command that
+writes it; nothing is estimated in its place. Tables print 4 decimals (intervals 3), which is what a
+reader can check back against the JSON files.
 """
 
 from __future__ import annotations
@@ -53,8 +54,10 @@ __all__ = [
     "frontier_points",
     "load_training_curves",
     "markdown_to_html",
+    "missing_curves",
     "render_markdown",
     "report_figures",
+    "report_run",
 ]
 
 Curves = dict[str, dict[str, list[tuple[int, float]]]]  # stage -> metric -> [(step, value)]
@@ -105,7 +108,8 @@ class ReportInputs:
     runs: RunSources | None = None  # the report files' manifests: the runs their figures came from
     # the run writing the report (its id), whose minutes are recorded only when it ends
     writing_run: str | None = None
-    training_curves: Curves = field(default_factory=dict)
+    training_curves: Curves = field(default_factory=dict)  # from the report's run (`report_run`)
+    training_stages: Sequence[str] = ()  # the stages whose curves the report shows (`missing_curves`)
     reference: str = "ar_rl"  # the AR system speed-ups and frontier marks refer to
     split: str = "test"  # the reported split (valid chooses)
 
@@ -194,29 +198,51 @@ def report_figures(inputs: ReportInputs) -> dict[str, Figure]:
 # ---- MLflow metric history -------------------------------------------------------------------------
 
 
-def load_training_curves(
-    experiment_id: str | None, stages: Sequence[str], metrics: Sequence[str] = ("loss", "reward_mean")
-) -> Curves:
-    """`<stage>.<metric>` step histories, each from the newest run of the experiment that logged it.
+def report_run(runs: RunSources | None, writing_run: str | None) -> str | None:
+    """The MLflow run a report's figures come from: the run that wrote `stage_metrics.json` (the stage
+    table's run, which `runs` carries in that file's manifest), else the run writing the report.
 
-    The training loop logs every stage under its name (`MlflowTracker(stage)`); a run of `evaluation`
-    alone, or of `benchmark`, logs none, so the newest run that trained each stage is looked up.
+    A report the benchmark re-renders keeps the stage table's run, so its training curves stay those
+    of the run its accuracy figures came from. None: that file was written outside an MLflow run.
+    """
+    manifest = None if runs is None else runs.manifests.get("stage_metrics.json")
+    return writing_run if manifest is None else manifest.run_id
+
+
+def load_training_curves(
+    run_id: str | None, stages: Sequence[str], metrics: Sequence[str] = ("loss", "reward_mean")
+) -> Curves:
+    """`<stage>.<metric>` step histories logged on the MLflow run `run_id` (the report's, `report_run`).
+
+    The training loop logs every stage under its name (`MlflowTracker(stage)`) on the run that trains
+    it. A stage that run did not train (a run of `evaluation` alone trains none) is absent, never
+    taken from another run; the report names it (`missing_curves`). None, or a run the store does
+    not hold: no curves.
     """
     import mlflow
+    from mlflow.exceptions import MlflowException
 
-    if experiment_id is None:
+    if run_id is None:
         return {}
     client = mlflow.MlflowClient()
-    runs = client.search_runs([experiment_id], order_by=["attributes.start_time DESC"], max_results=200)
+    try:
+        logged = client.get_run(run_id).data.metrics
+    except MlflowException:
+        logger.warning("Run %s is not in the MLflow store: the report has no training curves", run_id)
+        return {}
     curves: Curves = {}
     for stage in stages:
         for metric in metrics:
             name = f"{stage}.{metric}"
-            run = next((r for r in runs if name in r.data.metrics), None)
-            if run is not None:
-                history = sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, name))
+            if name in logged:
+                history = sorted((m.step, m.value) for m in client.get_metric_history(run_id, name))
                 curves.setdefault(stage, {})[metric] = history
     return curves
+
+
+def missing_curves(inputs: ReportInputs) -> list[str]:
+    """The training stages the report asks for (`training_stages`) whose curves its run lacks."""
+    return [s for s in inputs.training_stages if not any(inputs.training_curves.get(s, {}).values())]
 
 
 # ---- markdown ----------------------------------------------------------------------------------------
@@ -570,6 +596,31 @@ def _profile_section(inputs: ReportInputs) -> str:
     return text
 
 
+def _curves_caption(inputs: ReportInputs) -> str:
+    """What the training-curves plot shows, from which run, and which stages that run did not train."""
+    run_id = report_run(inputs.runs, inputs.writing_run)
+    if run_id is None:
+        return (
+            "Training curves: none, as this report's figures come from no MLflow run (`stage_metrics.json` "
+            "was written outside one)."
+        )
+    run = f"run {run_id[:8]}"
+    text = (
+        f"Training curves of each stage from the MLflow metric history of {run}, the run the stage "
+        "table comes from: loss, and the mean reward (black) where the stage is RL."
+    )
+    if not inputs.training_curves:
+        return text + f" No history was found in {run}: it trained none of the stages."
+    missing = missing_curves(inputs)
+    if missing:
+        names = ", ".join(f"`{s}`" for s in missing)
+        text += (
+            f" **Not in {run}**: {names} (trained in another run, or not trained: 0 steps); their "
+            "curves are not drawn, and none is taken from another run."
+        )
+    return text
+
+
 def _plots_section(inputs: ReportInputs, figures: Mapping[str, Figure]) -> str:
     captions = {
         "frontier": "Speed/accuracy frontier on test: R@1 (95% CI) against tokens per forward (every "
@@ -578,9 +629,7 @@ def _plots_section(inputs: ReportInputs, figures: Mapping[str, Figure]) -> str:
         "the pre-rank's R@1.",
         "own_valid_rate": "The model's own valid-output rate per stage (answers decoded without the "
         "grammar), 95% CI.",
-        "training_curves": "Training curves of every stage from the MLflow metric history: loss, and "
-        "the mean reward (black) where the stage is RL."
-        + ("" if inputs.training_curves else " No history was found in the MLflow store."),
+        "training_curves": _curves_caption(inputs),
         "speedup_by_batch": "Speed-up against `ar_rl` by batch size at each system's operating point "
         "(solid = under the grammar, dashed = free; dotted = a system with no operating point, timed "
         "at the benchmark's `unserved_tau`, not served).",

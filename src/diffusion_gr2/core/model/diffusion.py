@@ -1,7 +1,7 @@
 """Block-diffusion forward passes with the token shift, and AR -> block-diffusion conversion.
 
-Token shift (Fast-dLLM v2, DESIGN §5): the hidden state at position i-1 predicts token i, so the LM
-head keeps its AR meaning and block size 1 is exactly the AR model.
+Token shift (Fast-dLLM v2; docs/architecture.md#models-and-attention): the hidden state at position i-1
+predicts token i, so the LM head keeps its AR meaning and block size 1 is exactly the AR model.
 
 Convention shared with the decoder (pinned by tests): position 0 of every response block is always
 clean. Its prediction comes from the previous position of the *clean* sequence (the prompt's last
@@ -176,7 +176,8 @@ def response_logits(
 
 
 def as_block_diffusion(model: PreTrainedModel, block_size: int, mask_token_id: int | None) -> PreTrainedModel:
-    """A copy of an AR model as a block-diffusion model (DESIGN §5); nothing is trained.
+    """A copy of an AR model as a block-diffusion model (docs/architecture.md#models-and-attention); nothing
+    is trained.
 
     The weights are copied unchanged, and the block size and mask token id go into the config
     (`config.block_size`, `config.mask_token_id`), which the decoder and the stages read. Block size 1
@@ -200,7 +201,8 @@ def check_conversion(
     """Raise unless `converted` holds `ar_model`'s weights key by key and records B and the mask id.
 
     Run on the model a conversion returns (not on a copy of it), so a conversion that drops, adds or
-    alters a weight, or forgets the config entries the decoder reads, fails here (STYLE 6).
+    alters a weight, or forgets the config entries the decoder reads, fails here
+    (docs/architecture.md#code-conventions).
     """
     if converted is ar_model:
         raise ValueError("conversion must return a new model: the AR teacher stays an AR model")

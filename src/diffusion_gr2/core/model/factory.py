@@ -1,4 +1,5 @@
-"""Model factory: a small Qwen3 from a config, a local HF checkpoint, or a GGUF file (DESIGN §5)."""
+"""Model factory: a small Qwen3 from a config, a local HF checkpoint, or a GGUF file
+(docs/architecture.md#models-and-attention)."""
 
 from __future__ import annotations
 
@@ -197,7 +198,7 @@ def load_model(path: str | Path, attn_implementation: str | None = None) -> PreT
 
     Every weight the model has must be on disk and every weight on disk must belong to the model:
     `from_pretrained` would otherwise initialise a missing weight at random, drop an unknown one,
-    and only log a warning (STYLE 6).
+    and only log a warning (docs/architecture.md#code-conventions).
     """
     kwargs = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
     model, info = AutoModelForCausalLM.from_pretrained(

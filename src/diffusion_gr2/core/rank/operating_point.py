@@ -1,4 +1,5 @@
-"""The operating point of a block-diffusion re-ranker: the (tau, window) it is served at.
+"""The operating point of a block-diffusion re-ranker: the (tau, window) it is served at
+(docs/evaluation.md#how-the-operating-point-is-chosen).
 
 Chosen on the *validation* split, never on test, under the serving policy (`core/evaluate/policy.py`,
 the one the registration gate reads too): among the decoding settings tried there, the fastest

@@ -1,4 +1,5 @@
-"""The search for a diffusion system's operating point on validation, in one call.
+"""The search for a diffusion system's operating point on validation, in one call
+(docs/evaluation.md#how-the-operating-point-is-chosen).
 
 `search_operating_point` does everything choosing a served (tau, window) takes, top to bottom, under
 the serving policy (`OperatingPointConfig.policy`, the one the registration gate reads):

@@ -1,11 +1,11 @@
-"""Re-ranking with a trained model, and the evaluation of the rankings it produces (DESIGN §7, §8, §10).
+"""Re-ranking with a trained model, and the evaluation of the rankings it produces (docs/evaluation.md).
 
 `rerank` decodes every request with the one decoder, parses each answer against the request's
 candidate SIDs and maps the SIDs back to item ids; an invalid answer is served the pre-rank order and
-counted (DESIGN §4). With `RerankConfig.constrained` (the default) decoding follows each request's
-answer grammar (`decode/grammar.py`), so every answer is a valid ranking; `forced` counts the
-corrections. `unforced` marks the requests where the model's own answer (unconstrained greedy
-decoding) is one the grammar accepts, and `unforced_ranking` holds that answer's ranking: for AR,
+counted (docs/architecture.md#items-candidates-and-prompts). With `RerankConfig.constrained` (the default)
+decoding follows each request's answer grammar (`decode/grammar.py`), so every answer is a valid ranking;
+`forced` counts the corrections. `unforced` marks the requests where the model's own answer (unconstrained
+greedy decoding) is one the grammar accepts, and `unforced_ranking` holds that answer's ranking: for AR,
 and without jump-forward, that is the served answer with `forced == 0` (token for token the free
 one); a diffusion system with jump-forward (the default) writes forced tokens the model never chose,
 so its own answer comes from a second, free pass (`own_answers`). `unforced_rate` in the metrics is
@@ -65,7 +65,8 @@ __all__ = [
     "setting_rows",
 ]
 
-SYSTEMS = ("prerank", "ar_sft", "ar_rl", "naive", "cft", "opd", "rl", "distilled")  # DESIGN §10, report order
+# in report order (docs/architecture.md#names-and-report-files)
+SYSTEMS = ("prerank", "ar_sft", "ar_rl", "naive", "cft", "opd", "rl", "distilled")
 AR_SYSTEMS = ("ar_sft", "ar_rl")
 SID_SCOPES = ("answer", "list")  # where RerankConfig.sid_threshold holds
 DIFFUSION_SYSTEMS = ("naive", "cft", "opd", "rl", "distilled")
@@ -268,8 +269,9 @@ def ranking_rows(
     """Parse each output against its request's candidate SIDs; rows in `RANKING_COLUMNS` order.
 
     A valid answer's SIDs are mapped back to item ids; an invalid one is served the pre-rank order
-    (DESIGN §4) and keeps its parser reason. `own` (from `own_answers`): per request, whether the
-    model's own answer is grammar-accepted and its SIDs; None = the served answer with `forced == 0`.
+    (docs/architecture.md#items-candidates-and-prompts) and keeps its parser reason. `own` (from
+    `own_answers`): per request, whether the model's own answer is grammar-accepted and its SIDs; None = the
+    served answer with `forced == 0`.
     """
     if len(requests) != len(outputs) or (own is not None and len(own) != len(outputs)):
         raise ValueError(f"{len(requests)} requests but {len(outputs)} outputs")

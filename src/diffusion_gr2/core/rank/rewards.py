@@ -1,4 +1,5 @@
-"""The one reward module: ranking reward with the conditional format bonus (DESIGN §7, GR2).
+"""The one reward module: ranking reward with the conditional format bonus (GR2;
+docs/evaluation.md#metrics-and-the-reward).
 
 R_rank = (pre-rank position of the target - new position) / N, positions 1-based. The format bonus
 alpha is paid only when the target moved up, or was already first and stayed first: copying the

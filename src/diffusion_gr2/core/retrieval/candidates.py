@@ -4,7 +4,8 @@ Rows: `train` from the last `train_prefixes` prefixes of each user's training pa
 training item); `valid` and `test` predict each validation and test point from everything before it
 (`evaluation.heldout_points`). `point` tells a user's rows of one split apart: the held-out point (0 =
 earliest), the prefix length for train rows; with
-(`split`, `user_id`) it is the request's key, on which systems are paired. Two modes (DESIGN §4):
+(`split`, `user_id`) it is the request's key, on which systems are paired. Two modes
+(docs/architecture.md#items-candidates-and-prompts):
 
 * `retrieved`: the retriever's top-N with history masked, in retriever order (the pre-rank); a row is
   kept only when its target is in the top-N, as the Diffusion-GR2 / GR2 papers do.

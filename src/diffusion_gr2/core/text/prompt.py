@@ -1,4 +1,4 @@
-"""Prompt template and answer rendering for the re-ranker (DESIGN §4).
+"""Prompt template and answer rendering for the re-ranker (docs/architecture.md#items-candidates-and-prompts).
 
 The prompt shows the user's recent history and the candidates, each as a semantic ID (SID) followed by
 a short title and a few categories, so that a tiny model on two CPU cores sees ~250-400 tokens. The

@@ -21,7 +21,7 @@ IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"  # end of a message, and the end-of-output token of every response
 END_OF_TEXT = "<|endoftext|>"
 PAD = "<pad>"
-MASK = "[MASK]"  # the block-diffusion mask token (DESIGN §5)
+MASK = "[MASK]"  # the block-diffusion mask token (docs/architecture.md#models-and-attention)
 SPECIAL_TOKENS = (END_OF_TEXT, IM_START, IM_END, PAD, MASK)
 
 # Qwen-style template: `<|im_start|>role\ncontent<|im_end|>\n` per message. Installed on every

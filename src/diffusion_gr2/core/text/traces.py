@@ -1,4 +1,5 @@
-"""Reasoning traces: a pluggable teacher, rejection sampling, and SFT rows (DESIGN §4).
+"""Reasoning traces: a pluggable teacher, rejection sampling, and SFT rows
+(docs/architecture.md#items-candidates-and-prompts).
 
 The default teacher is a rule-based analyst that ranks candidates from features visible in the prompt
 (shared categories with the recency-weighted history, brand, recency, popularity, list position) plus

@@ -1,4 +1,4 @@
-"""Drift of a delivery against the champion's training window (DESIGN §9, issue 44).
+"""Drift of a delivery against the champion's training window (docs/operations.md#retraining, issue 44).
 
 Each check compares one aspect of the delivered rows with the rows the champion was trained on and
 says whether it moved past its threshold:

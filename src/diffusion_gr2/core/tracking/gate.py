@@ -1,4 +1,5 @@
-"""The promotion gate: challenger against champion on the same newest requests.
+"""The promotion gate: challenger against champion on the same newest requests
+(docs/operations.md#retraining).
 
 The held-out requests are the test requests whose target is newest in time (the last
 `slice_share` of them by target timestamp), in raw item ids so that models trained on different

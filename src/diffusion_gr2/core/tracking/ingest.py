@@ -1,4 +1,5 @@
-"""Taking in fresh interaction files for a retrain (DESIGN §9), and the lock that serialises retrains.
+"""Taking in fresh interaction files for a retrain (docs/operations.md#retraining), and the lock that
+serialises retrains.
 
 Files dropped into the incoming folder are judged one at a time and as a whole: a file is read with
 the project's own readers (`core/data/readers.py`) at a reject share of zero by default, and any

@@ -1,4 +1,5 @@
-"""Lineage facts for MLflow runs: the code commit, the DVC hashes, and per-node input/output hashes (DESIGN §9)."""
+"""Lineage facts for MLflow runs: the code commit, the DVC hashes, and per-node input/output hashes
+(docs/operations.md#lineage)."""
 
 from __future__ import annotations
 
@@ -56,8 +57,8 @@ def dvc_hashes(project_dir: Path) -> dict[str, str]:
 
 # ---- per-node lineage records ------------------------------------------------------------------------
 # Every node's inputs and outputs with the content hash of each file or folder, written to the MLflow
-# run (DESIGN §9): inputs through `mlflow.log_input` (what the UI shows), the full record as the
-# artifact `lineage/nodes/<node>.json` (what `lineage_report` walks), and one run tag per produced
+# run (docs/operations.md#lineage): inputs through `mlflow.log_input` (what the UI shows), the full record as
+# the artifact `lineage/nodes/<node>.json` (what `lineage_report` walks), and one run tag per produced
 # hash, `lineage.produced.<md5>`, so a later run's input can be traced to the run that wrote it.
 
 NODES_ARTIFACT_DIR = "lineage/nodes"

@@ -1,4 +1,5 @@
-"""`python -m diffusion_gr2 lineage TARGET`: the chain from a model back to the raw files (DESIGN §9).
+"""`python -m diffusion_gr2 lineage TARGET`: the chain from a model back to the raw files
+(docs/operations.md#lineage).
 
 TARGET is a registered version (``models:/diffusion-gr2@champion``, ``models:/diffusion-gr2/3``) or
 an MLflow run id. The walk starts from the hashes the target names (a version: its model folder; a

@@ -1,5 +1,5 @@
 """The run a report file came from: its manifest, stamped into the file, and the one loader that reads
-report files back and says which run each figure came from (DESIGN §10, STYLE 12).
+report files back and says which run each figure came from (docs/evaluation.md#which-run-a-figure-came-from).
 
 A report the evaluation and benchmark stages write (`stage_metrics.json`, `comparisons.json`,
 `operating_point.json`, `reasoning_metrics.json`, `benchmark.json`, `speedup_by_length.json`) is

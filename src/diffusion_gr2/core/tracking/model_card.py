@@ -1,4 +1,5 @@
-"""Model card per registered version (DESIGN §9, issue 44): what a reviewer reads before a promotion.
+"""Model card per registered version (docs/operations.md#retraining, issue 44): what a reviewer reads before a
+promotion.
 
 Written at registration, after the gate, from what the runs recorded and nothing else: the version's
 tags (operating point, decoding, lineage), the report files of the run that trained the model

@@ -1,4 +1,5 @@
-"""Gate and promote what one registration produced, so that something always serves (DESIGN §9).
+"""Gate and promote what one registration produced, so that something always serves
+(docs/operations.md#retraining).
 
 A registration holds up to three new versions: the diffusion re-ranker (role ``diffusion``, only when it
 has an operating point), the AR teacher (``teacher``, always) and the pre-rank (the retriever's order on this

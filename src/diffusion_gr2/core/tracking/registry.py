@@ -1,4 +1,5 @@
-"""Model registry: versions, the `challenger`/`champion` aliases, promotion and rollback (DESIGN §9).
+"""Model registry: versions, the `challenger`/`champion` aliases, promotion and rollback
+(docs/operations.md#registry).
 
 Three registered models: ``diffusion-gr2`` (the block-diffusion re-ranker, system ``rl``),
 ``diffusion-gr2-teacher`` (the AR teacher ``ar_rl``) and ``diffusion-gr2-prerank`` (the retriever's

@@ -1,4 +1,5 @@
-"""The request log: every request the served model answers, one JSON line each (DESIGN §9).
+"""The request log: every request the served model answers, one JSON line each
+(docs/operations.md#request-log).
 
 A row holds the request (id, user, history, candidates in raw ids), the answer (ranking, explanation,
 served and own validity, tokens, forwards, latency), the model that answered (registered name,

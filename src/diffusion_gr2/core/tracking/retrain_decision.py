@@ -1,4 +1,5 @@
-"""Whether a retrain has anything to do (DESIGN §9): the one decision every way of starting one makes.
+"""Whether a retrain has anything to do (docs/operations.md#retraining): the one decision every way of
+starting one makes.
 
 A retrain runs when the incoming folder holds rows the raw folder lacks, when no champion serves yet
 (a first retrain is the full recipe), or when forced; the pre-rank's or the teacher's champion serves

@@ -1,4 +1,5 @@
-"""The re-ranker as a service: validated requests in raw item ids -> ranking, explanation, validity (DESIGN §9).
+"""The re-ranker as a service: validated requests in raw item ids -> ranking, explanation, validity
+(docs/operations.md#serving).
 
 A request names items by their *raw* ids (the ids of the source data, as strings: MovieLens
 ``"50"``), because internal item ids are renumbered by every data preparation and so change with

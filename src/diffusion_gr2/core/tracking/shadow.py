@@ -1,4 +1,5 @@
-"""Shadow evaluation: the challenger replays the champion's last logged requests (DESIGN §9).
+"""Shadow evaluation: the challenger replays the champion's last logged requests
+(docs/operations.md#retraining).
 
 The gate's own slice is the offline test split; this is the traffic the champion actually answered
 (`core/tracking/request_log.py`). The challenger re-ranks the last `last_requests` rows the served

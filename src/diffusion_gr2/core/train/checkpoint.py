@@ -1,10 +1,10 @@
 """Training checkpoints: accelerate's own state, written atomically, checked before use, pruned.
 
 A checkpoint is a directory ``<output_dir>/checkpoints/step-NNNNNN/`` holding everything a resumed
-run needs to continue *bit for bit* (DESIGN §6 "resume after a crash"): what ``Accelerator.save_state``
-writes (weights as safetensors, or one shard per process under FSDP; optimizer, scheduler, grad scaler;
-the RNG states of every process) and the loop's own state (step, metric history, process count). Every
-process writes its part into ``.step-NNNNNN.tmp``; once all have, the main process adds
+run needs to continue *bit for bit* (docs/architecture.md#training-stages, "Checkpoints and resume"): what
+``Accelerator.save_state`` writes (weights as safetensors, or one shard per process under FSDP; optimizer,
+scheduler, grad scaler; the RNG states of every process) and the loop's own state (step, metric history,
+process count). Every process writes its part into ``.step-NNNNNN.tmp``; once all have, the main process adds
 ``manifest.json`` (each file's size and SHA-256, so that later damage — a disk error, a truncating copy,
 a hand edit — is found before anything is loaded), fsyncs and renames it into place
 (``core/io.py: publish_directory``): a directory named ``step-*`` is complete when written.

@@ -1,4 +1,5 @@
-"""The one GRPO/DAPO core, shared by the AR teacher (B = 1) and the block-diffusion policy (DESIGN §6).
+"""The one GRPO/DAPO core, shared by the AR teacher (B = 1) and the block-diffusion policy
+(docs/architecture.md#training-stages).
 
 Nothing here knows the policy type: the caller provides ``logits_fn(model, inputs, rows) -> [m, r, v]``,
 the logits each token of rollouts ``rows`` was sampled from under the current weights (AR: one causal

@@ -1,10 +1,11 @@
-"""The one training loop: SFT, CFT, OPD and RL each contribute a loss function, not a loop (STYLE 3).
+"""The one training loop: SFT, CFT, OPD and RL each contribute a loss function, not a loop
+(docs/architecture.md#code-conventions).
 
 Runs on ``accelerate``: one process (CPU or GPU) or several (``accelerate launch``: DDP, or FSDP
 when its config says so), with AdamW and a linear warmup, a tqdm bar, periodic atomic checkpoints and
-exact resume (DESIGN §6). The loss is what accelerate prepares (`LossModule`): DDP's gradient buckets,
-FSDP's sharding and mixed-precision autocast all wrap the forward every loss runs, whatever model
-methods it calls. Gradient accumulation is accelerate's. Exactness rests on two rules:
+exact resume (docs/architecture.md#training-stages). The loss is what accelerate prepares (`LossModule`):
+DDP's gradient buckets, FSDP's sharding and mixed-precision autocast all wrap the forward every loss runs,
+whatever model methods it calls. Gradient accumulation is accelerate's. Exactness rests on two rules:
 ``make_batch(index, model)`` is a pure function of the index (and of state restored from the
 checkpoint: weights and RNG), and every piece of state the next step reads — weights, optimizer,
 scheduler, RNG — is saved at the checkpoint (``Accelerator.save_state``).

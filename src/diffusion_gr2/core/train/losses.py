@@ -1,4 +1,5 @@
-"""Token losses for SFT, CFT and OPD as pure functions returning ``(loss, metrics)`` (DESIGN §6).
+"""Token losses for SFT, CFT and OPD as pure functions returning ``(loss, metrics)``
+(docs/architecture.md#training-stages).
 
 Shapes: ``b`` batch, ``r`` response length, ``v`` vocabulary, ``k`` block size. Logits are always
 aligned with the response tokens (``logits[:, j]`` predicts ``response_ids[:, j]``, the token shift
@@ -132,7 +133,8 @@ def cft_noise(
     pattern: str = "complementary",
     commit_steps: torch.Tensor | None = None,
 ) -> CFTNoise:
-    """Complementary block-wise masking for Conversion Fine-Tuning (DESIGN §6, Fast-dLLM v2).
+    """Complementary block-wise masking for Conversion Fine-Tuning (Fast-dLLM v2;
+    docs/architecture.md#training-stages).
 
     response_ids [b, r] with r a multiple of ``block_size`` (see :func:`pad_to_blocks`); roles [b, r].
     Padding = mask-token ids or role -1: never supervised. Per (row, block) a noise level t ~ U(0, 1);
@@ -210,7 +212,8 @@ def _trajectory_masked(commit_steps: torch.Tensor, t: torch.Tensor, block_size: 
 def forward_kl(
     teacher_logits: torch.Tensor, student_logits: torch.Tensor, mask: torch.Tensor
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """Per-token forward KL(teacher || student), averaged over masked tokens (OPD, DESIGN §6).
+    """Per-token forward KL(teacher || student), averaged over masked tokens (OPD;
+    docs/architecture.md#training-stages).
 
     teacher_logits, student_logits [b, r, v]; mask [b, r] bool (committed tokens of the rollout).
     Forward KL is mode-covering: the student is pushed to put mass wherever the teacher does. The

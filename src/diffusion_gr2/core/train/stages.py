@@ -1,4 +1,4 @@
-"""The training stages as (make_batch, loss_fn) pairs for the one loop (STYLE 3, DESIGN §5–§7).
+"""The training stages as (make_batch, loss_fn) pairs for the one loop (docs/architecture.md#training-stages).
 
 SFT and CFT read fixed token examples; RL (AR or diffusion) and OPD read rollouts that the current
 policy decodes with the one decoder. A policy is told apart only by its block size: 1 is the AR
@@ -145,8 +145,8 @@ def as_blocks(batch: TokenBatch, block_size: int, mask_token_id: int) -> TokenBa
 
     Padding becomes mask tokens with role `PADDING_ROLE` (never a loss). `response_mask` (the keys)
     covers every position of a row's blocks, its final block's trailing masks included: the decoder
-    runs a block as one canvas whose every position is a key (DESIGN §8), and the answer and
-    `<|im_end|>` are in that block. Blocks after a row's final one exist only because the batch is
+    runs a block as one canvas whose every position is a key (docs/architecture.md#decoding), and the answer
+    and `<|im_end|>` are in that block. Blocks after a row's final one exist only because the batch is
     padded; nothing attends to them and they are not keys.
     """
     ids, roles = pad_to_blocks(batch.response_ids, batch.roles, block_size, mask_token_id)
@@ -161,7 +161,8 @@ def as_blocks(batch: TokenBatch, block_size: int, mask_token_id: int) -> TokenBa
 
 
 def supervised_loss(config: SupervisedConfig, mask_token_id: int | None = None) -> Callable:
-    """SFT loss (block size 1) or CFT loss: masked-diffusion CE with two noisy views (DESIGN §6).
+    """SFT loss (block size 1) or CFT loss: masked-diffusion CE with two noisy views
+    (docs/architecture.md#training-stages).
 
     Trajectory distillation is the same loss on recorded canvases (`config.noise="trajectory"`, the
     batch's `commit_steps`) plus the certainty term (`config.certainty`)."""
@@ -276,7 +277,8 @@ def score_rollout(
     alpha: float,
     invalid_reward: float = INVALID_REWARD,
 ) -> tuple[float, bool]:
-    """Reward of one rollout (DESIGN §7): rank promotion + conditional format bonus, −1 if invalid."""
+    """Reward of one rollout (docs/evaluation.md#metrics-and-the-reward): rank promotion + conditional format
+    bonus, −1 if invalid."""
     sids = list(request["candidate_sids"])
     parsed = parse_answer(decode_response(tokenizer, output.tokens), sids)
     candidates = [int(i) for i in request["candidates"]]

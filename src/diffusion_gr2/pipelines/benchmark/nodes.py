@@ -1,4 +1,5 @@
-"""benchmark node: decode throughput of ar_rl, `generate` and the diffusion systems in one run (DESIGN §8)."""
+"""benchmark node: decode throughput of ar_rl, `generate` and the diffusion systems in one run
+(docs/architecture.md#decoding)."""
 
 from __future__ import annotations
 

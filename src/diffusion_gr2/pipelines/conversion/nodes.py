@@ -1,4 +1,5 @@
-"""conversion node: the AR teacher's weights, unchanged, as a block-diffusion model (DESIGN §5)."""
+"""conversion node: the AR teacher's weights, unchanged, as a block-diffusion model
+(docs/architecture.md#models-and-attention)."""
 
 from __future__ import annotations
 

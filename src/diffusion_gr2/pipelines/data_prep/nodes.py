@@ -1,4 +1,5 @@
-"""data_prep nodes: raw files → validated interactions, items, chronological split (DESIGN §3)."""
+"""data_prep nodes: raw files → validated interactions, items, chronological split
+(docs/architecture.md#data)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""distill nodes: record rl's served decodes on training requests, then train on their canvases."""
+"""distill nodes: train a round's model on the canvases of its own kept free decodes of training
+requests (recorded by `pipelines/training.record_trajectories_node`: docs/architecture.md)."""
 
 from __future__ import annotations
 

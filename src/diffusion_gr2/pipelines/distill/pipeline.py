@@ -1,11 +1,20 @@
 """distill: rl → distilled, in three rounds of trajectory distillation (expert iteration on the diffusion
-model). Each round decodes training requests with the model it starts from, keeps the valid answers
-and trains that model on the canvases those decodes ran; the second round starts from the first
-round's model, so it learns from answers a model that already commits more per forward wrote.
-Round k's settings are `distill` (k = 1) or `distill_round<k>`; the last round writes `distilled`.
+model; `core/train/trajectory.py`, docs/architecture.md#pipelines-and-their-data).
 
-Recording decodes once, on rank 0 (its rows, kept or set aside with their reason, are a dataset);
-training runs on every process of a launch, as the other training stages do.
+Each round decodes 1,024 sampled training requests (`trajectories.requests`) with the model it starts
+from, with inference's decoding settings (`inference.decoding`: commit rule, SID threshold, repeat
+gate) but free, without the answer grammar, at `trajectories.tau` (0.75). It keeps an answer when the
+model wrote it valid on its own, it ranks the target within `max_target_rank` (10: any valid answer,
+under `keep: any`) and its explanation cites only SIDs the prompt shows (`grounded`); every row, kept
+or set aside with its reason, is the round's trajectories dataset. The model is then trained on the
+canvases its kept decodes ran (CFT's loss with the decode's own tokens as targets, `noise:
+trajectory`) plus the certainty term (`certainty`). Round 1 starts from `rl`, each later round from
+the one before, so it learns from answers a model that already commits more per forward wrote. Round
+k's settings are `distill` (k = 1) or `distill_round<k>` (the first round's, by YAML merge); the last
+round writes `distilled`, the diffusion system the registry holds and serving serves.
+
+Recording decodes once, on rank 0 (its rows are a dataset); training runs on every process of a
+launch, as the other training stages do.
 """
 
 from kedro.pipeline import Node, Pipeline
@@ -15,7 +24,9 @@ from diffusion_gr2.runner import ALL_RANKS
 
 from .nodes import train_distilled
 
-ROUNDS = 3  # three rounds of 140 steps against two of 200 (docs/experiments.md#three-rounds-of-distillation)
+# Three rounds (of `train.max_steps` 200 each) commit more per forward than two at the same own validity
+# and R@1 (docs/experiments.md#three-rounds-of-distillation, #longer-distillation-rounds).
+ROUNDS = 3
 
 
 def round_names(k: int, rounds: int = ROUNDS) -> dict[str, str]:

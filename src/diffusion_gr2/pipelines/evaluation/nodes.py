@@ -1,11 +1,10 @@
 """evaluation nodes: stage metrics with intervals, paired comparisons, reasoning quality, table, plots and
-the run report (DESIGN §7, §10)."""
+the run report (docs/evaluation.md)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-import mlflow
 import pandas as pd
 from matplotlib.figure import Figure
 from transformers import PreTrainedTokenizerFast
@@ -28,6 +27,7 @@ from diffusion_gr2.core.evaluate.report import (
     markdown_to_html,
     render_markdown,
     report_figures,
+    report_run,
 )
 from diffusion_gr2.core.tracking.manifest import current_manifest
 from diffusion_gr2.core.tracking.mlflow_utils import as_metrics_history
@@ -92,15 +92,6 @@ def compute_reasoning_metrics(
     return {"reasoning_metrics": rows, "reasoning_mlflow": as_metrics_history(metrics)}
 
 
-def _experiment_id(name: str) -> str | None:
-    """The active run's experiment (kedro-mlflow sets it), else the named one; None without a store."""
-    run = mlflow.active_run()
-    if run is not None:
-        return run.info.experiment_id
-    experiment = mlflow.get_experiment_by_name(name)
-    return None if experiment is None else experiment.experiment_id
-
-
 def write_report(
     stage_rows: list[dict[str, Any]],
     comparisons: list[dict[str, Any]],
@@ -113,17 +104,20 @@ def write_report(
 
     `files`: `operating_point`, `data_stats`, `sid_report`, `retrieval_report`, `benchmark`,
     `speedup_by_length`, `decode_profile` (each None when absent), `runs` (the report files' manifests);
-    the training curves come from the MLflow store.
+    the training curves come from the MLflow run the stage table came from (`report_run`), never from
+    another run.
     """
-    report = params["report"]
-    curves = load_training_curves(_experiment_id(report["experiment"]), report["training_stages"])
+    stages = tuple(params["report"]["training_stages"])
+    writing_run = current_manifest().run_id
+    curves = load_training_curves(report_run(files.get("runs"), writing_run), stages)
     inputs = ReportInputs(
         stage_rows,
         comparisons,
         reasoning,
         decoding_stats(rankings),
         training_curves=curves,
-        writing_run=current_manifest().run_id,
+        training_stages=stages,
+        writing_run=writing_run,
         **files,
     )
     figures = report_figures(inputs)

@@ -1,4 +1,4 @@
-"""inference nodes: every system re-ranks the validation and test requests (DESIGN §8, §10).
+"""inference nodes: every system re-ranks the validation and test requests (docs/evaluation.md).
 
 A diffusion system named in `operating_point.systems` chooses its operating point on validation in
 one core call (`core/rank/point_search.py::search_operating_point`: decode the candidates, pair

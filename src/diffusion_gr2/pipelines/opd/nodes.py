@@ -1,4 +1,4 @@
-"""opd node: on-policy distillation from the frozen AR teacher (DESIGN §6)."""
+"""opd node: on-policy distillation from the frozen AR teacher (docs/architecture.md#training-stages)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""register pipeline: the trained `rl`/`ar_rl` into the registry, gated (`make register` after a run).
+"""register pipeline: the trained `distilled` (with an operating point) and `ar_rl` into the registry,
+gated, the pre-rank as the fallback (`make register` after a run; docs/operations.md#registry).
 
 Its own folder because Kedro loads only the pipelines a run asks for, by folder name.
 """

@@ -1,4 +1,4 @@
-"""rerank nodes: the served model over request files, in batch (DESIGN §9)."""
+"""rerank nodes: the served model over request files, in batch (docs/operations.md#serving)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""retrain nodes: take in fresh files, register the new models, gate and promote (DESIGN §9)."""
+"""retrain nodes: take in fresh files, register the new models, gate and promote
+(docs/operations.md#retraining)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Warm start of a retrain (`retrain.warm_start`, DESIGN §9): fine-tune the champion, not a new model.
+"""Warm start of a retrain (`retrain.warm_start`, docs/operations.md#retraining): fine-tune the champion, not
+a new model.
 
 `plan_warm_start` copies the champion of `diffusion-gr2` and the teacher version it was trained with
 (its `teacher_version` tag) out of the registry and writes the plan the other nodes read. With a plan, four nodes of

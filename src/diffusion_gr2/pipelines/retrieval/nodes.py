@@ -1,4 +1,5 @@
-"""retrieval nodes: SASRec first stage vs popularity, then validated top-N candidate lists (DESIGN §4)."""
+"""retrieval nodes: SASRec first stage vs popularity, then validated top-N candidate lists
+(docs/architecture.md#items-candidates-and-prompts)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""semantic_ids nodes: item text → sentence embeddings → RQ-VAE → 4-token semantic IDs (DESIGN §4)."""
+"""semantic_ids nodes: item text → sentence embeddings → RQ-VAE → 4-token semantic IDs
+(docs/architecture.md#items-candidates-and-prompts)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""traces nodes: teacher traces by rejection sampling, the tokenizer, token-level datasets (DESIGN §4)."""
+"""traces nodes: teacher traces by rejection sampling, the tokenizer, token-level datasets
+(docs/architecture.md#items-candidates-and-prompts)."""
 
 from __future__ import annotations
 
