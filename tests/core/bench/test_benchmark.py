@@ -29,6 +29,7 @@ from diffusion_gr2.core.bench.benchmark import (
 from diffusion_gr2.core.bench.harness import Call, calls_per_round, statistic
 from diffusion_gr2.core.decode.decoder import decode
 from diffusion_gr2.core.evaluate.plots import speedup_by_batch_figure, speedup_by_length_figure
+from diffusion_gr2.core.evaluate.policy import Policy
 from diffusion_gr2.core.rank.operating_point import refused_operating_point
 from diffusion_gr2.core.rank.rerank import RerankConfig, decode_config_for, request_grammars
 from diffusion_gr2.core.text.tokenizer import IM_END
@@ -480,7 +481,9 @@ def test_a_system_without_an_operating_point_is_timed_unserved_with_a_warning(wo
     models = {s: forced_model(tokenizer, token, block_size=4) for s in ("cft", "opd", "rl")}
     models["ar_rl"] = forced_model(tokenizer, token)
     points = {
-        "cft": refused_operating_point([], 0.5, 0.01, "no (tau, window) reaches R@1 0.490", "ar_rl"),
+        "cft": refused_operating_point(
+            [], 0.5, Policy(choice_margin=0.01), "no (tau, window) reaches R@1 0.490", "ar_rl"
+        ),
         "rl": point(0.9, 2),
     }  # opd: no entry at all
     with caplog.at_level(logging.WARNING, logger=bench.__name__):

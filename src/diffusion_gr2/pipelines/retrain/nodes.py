@@ -143,8 +143,8 @@ def register_models(
     params: dict[str, Any],
     traces: dict[str, Any],
     inference: dict[str, Any],
-    evidence: dict[str, Any],
-    splits: pd.DataFrame,
+    evidence: dict[str, Any] | None = None,
+    splits: pd.DataFrame | None = None,
 ) -> dict[str, str | None]:
     """Register `ar_rl` as a new `diffusion-gr2-teacher` version, the served diffusion system
     (`SERVED_DIFFUSION`) as `diffusion-gr2` and the pre-rank (this run's catalogue) as
@@ -159,8 +159,12 @@ def register_models(
     version carries its spec and the training sequences it is counted on, so it serves the prompts
     it was trained on.
     """
-    shown = evidence if evidence.get("in_prompt") else None
-    sequences = splits[["user_id", "train_items"]] if shown else None
+    shown = evidence if evidence and evidence.get("in_prompt") else None
+    if shown is not None and splits is None:
+        raise ValueError(
+            "register_models: the prompts show evidence, so the training sequences (splits) are needed"
+        )
+    sequences = splits[["user_id", "train_items"]] if shown is not None and splits is not None else None
     register = RegisterConfig(**params["register"])
     digests, run = DigestCache(), mlflow.active_run()
     refs: dict[str, str | None] = {"diffusion": None}
