@@ -11,6 +11,7 @@ import pytest
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
+from diffusion_gr2.core.base.speed import statistic
 from diffusion_gr2.core.bench import benchmark as bench
 from diffusion_gr2.core.bench.benchmark import (
     BENCHMARK_KEYS,
@@ -26,7 +27,7 @@ from diffusion_gr2.core.bench.benchmark import (
     speedup_by_length,
     time_candidates,
 )
-from diffusion_gr2.core.bench.harness import Call, calls_per_round, statistic
+from diffusion_gr2.core.bench.harness import Call, calls_per_round
 from diffusion_gr2.core.decode.decoder import decode
 from diffusion_gr2.core.evaluate.plots import speedup_by_batch_figure, speedup_by_length_figure
 from diffusion_gr2.core.rank.operating_point import refused_operating_point

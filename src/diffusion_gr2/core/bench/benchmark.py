@@ -44,21 +44,18 @@ import pandas as pd
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from diffusion_gr2.core.bench.generate_baseline import generate_tokens
-from diffusion_gr2.core.bench.harness import (
-    Call,
+from diffusion_gr2.core.base.speed import (
     Ratio,
-    TimedSystem,
     geometric_mean_ratios,
     interval_fields,
     paired_ratios,
     ratio_interval,
-    round_rates,
     speedup,
     statistic,
-    time_rounds,
     tokens_per_s,
 )
+from diffusion_gr2.core.bench.generate_baseline import generate_tokens
+from diffusion_gr2.core.bench.harness import Call, TimedSystem, round_rates, time_rounds
 from diffusion_gr2.core.decode.decoder import decode, resolved_backend
 from diffusion_gr2.core.decode.grammar import TokenConstraint
 from diffusion_gr2.core.rank.operating_point import OperatingPointError, resolve_operating_point, speedup_key
@@ -438,7 +435,7 @@ def summarize(setting: TimedSetting, rounds: Rounds, device: str, backend: str) 
 
 def add_speedups(rows: Sequence[Mapping[str, Any]], reference: str = "ar_rl") -> list[dict[str, Any]]:
     """`speedup_vs_ar` of every row with its interval: paired by round with `reference`'s row at the
-    same batch size and constrained flag (`harness.speedup`; None when the reference has no such row);
+    same batch size and constrained flag (`speed.speedup`; None when the reference has no such row);
     and `speedup_vs_best_ar` against the fastest AR row of the reference's weights there (`best_ar`
     names it: plain, `+pld`, `+<drafter>-draft`, `+graphs`, `generate` or `generate+pld`: every
     lossless one)."""
