@@ -36,7 +36,6 @@ from diffusion_gr2.core.evaluate.tables import interval, markdown_table, missing
 
 __all__ = ["MixedRunsError", "ResultsError", "results_markdown", "results_table", "runs_text"]
 
-AR_ROWS = ("ar_rl", "ar_sft", "generate")  # benchmark rows decoded one token a forward (no tau)
 SPEED_BATCHES = (1, 16)
 RESULTS_HEAD = (
     "system",
