@@ -25,13 +25,8 @@ import torch
 from tokenizers import Tokenizer, models
 from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
-from diffusion_gr2.core.bench.harness import (
-    TimedSystem,
-    round_rates,
-    statistic,
-    table_row,
-    time_rounds,
-)
+from diffusion_gr2.core.base.speed import statistic
+from diffusion_gr2.core.bench.harness import TimedSystem, round_rates, table_row, time_rounds
 from diffusion_gr2.core.decode.decoder import DecodeConfig, decode
 from diffusion_gr2.core.model.factory import ModelSpec, build_model
 

@@ -52,16 +52,8 @@ import torch
 from tokenizers import Tokenizer, models
 from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerFast
 
-from diffusion_gr2.core.bench.harness import (
-    Call,
-    TimedSystem,
-    interval_fields,
-    round_rates,
-    speedup,
-    statistic,
-    time_rounds,
-    tokens_per_s,
-)
+from diffusion_gr2.core.base.speed import interval_fields, speedup, statistic, tokens_per_s
+from diffusion_gr2.core.bench.harness import Call, TimedSystem, round_rates, time_rounds
 from diffusion_gr2.core.bench.steps import StepRunner, decode_steps
 from diffusion_gr2.core.decode import decoder
 from diffusion_gr2.core.decode import steps as decoder_steps

@@ -22,7 +22,8 @@ import pandas as pd
 import torch
 from transformers import AutoTokenizer, PreTrainedModel
 
-from diffusion_gr2.core.bench.harness import TimedSystem, round_rates, statistic, table_row, time_rounds
+from diffusion_gr2.core.base.speed import statistic
+from diffusion_gr2.core.bench.harness import TimedSystem, round_rates, table_row, time_rounds
 from diffusion_gr2.core.decode.decoder import DecodeConfig, decode
 from diffusion_gr2.core.decode.grammar import AnswerGrammar
 from diffusion_gr2.core.model.factory import load_model

@@ -23,9 +23,10 @@ import pandas as pd
 import torch
 from transformers import AutoTokenizer
 
-from diffusion_gr2.core.bench.benchmark import ranked_speed, time_candidates
+from diffusion_gr2.core.bench.benchmark import candidate_timer
 from diffusion_gr2.core.evaluate.policy import Policy
 from diffusion_gr2.core.model.factory import load_model
+from diffusion_gr2.core.rank.operating_point import ranked_speed
 from diffusion_gr2.core.rank.point_search import OperatingPointConfig
 from diffusion_gr2.core.rank.rerank import RerankConfig, request_grammars, select_requests
 from diffusion_gr2.parameters import file_parameters
@@ -49,11 +50,12 @@ def main() -> None:
     policy = Policy.from_params(file_parameters(args.params.with_name("parameters_policy.yml"))["policy"])
     point = OperatingPointConfig.from_params(params["operating_point"], policy)
     bench = point.timing
+    time_candidates = candidate_timer(point)  # the harness the inference node hands the search
     tokenizer = AutoTokenizer.from_pretrained(args.models / "tokenizer", local_files_only=True)
     valid = select_requests(pd.read_parquet(args.requests), "valid", bench.n_prompts)
     prompts = [list(p) for p in valid["prompt_ids"]]
     model = load_model(args.models / args.system).eval()
-    reference = load_model(args.models / bench.reference).eval()  # timed beside, as the node does
+    reference = load_model(args.models / point.reference).eval()  # timed beside, as the node does
     config = RerankConfig(**params["decoding"])
     grammars = request_grammars(tokenizer, valid) if config.constrained else None
     candidates = point.candidates
@@ -67,18 +69,17 @@ def main() -> None:
             prompts,
             tokenizer,
             config,
-            bench,
-            grammars,
+            grammars=grammars,
             reference_model=reference,
         )
         seconds = time.perf_counter() - start
         rows = [
-            {"tau": t, "window": w} | ranked_speed(timed[(t, w)], timed[None], bench.reference)
+            {"tau": t, "window": w} | ranked_speed(timed[(t, w)], timed[None], point.reference)
             for t, w in candidates
         ]
         best = max(rows, key=lambda row: row["tokens_per_s"])
         repeats.append({"seconds": seconds, "candidates": rows, "fastest": [best["tau"], best["window"]]})
-        name = f"speedup_vs_{bench.reference}"
+        name = f"speedup_vs_{point.reference}"
         cells = "; ".join(
             f"tau {row['tau']} window {row['window'] or '-'}: "
             + " ".join(f"b{b} {v:.0f}" for b, v in row["tokens_per_s_by_batch"].items())

@@ -25,10 +25,10 @@ import pandas as pd
 import torch
 from transformers import AutoTokenizer
 
+from diffusion_gr2.core.base.manifest import read_report
 from diffusion_gr2.core.bench.benchmark import BenchmarkConfig, benchmark_requests, format_table
 from diffusion_gr2.core.model.factory import load_model
 from diffusion_gr2.core.rank.rerank import RerankConfig
-from diffusion_gr2.core.tracking.manifest import read_report
 from diffusion_gr2.parameters import file_parameters
 
 ROOT = Path(__file__).resolve().parents[1]

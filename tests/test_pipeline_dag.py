@@ -14,9 +14,9 @@ import pandas as pd
 import pytest
 import torch
 
+from diffusion_gr2.core.base.manifest import read_report
 from diffusion_gr2.core.bench.benchmark import BENCHMARK_KEYS
 from diffusion_gr2.core.evaluate.rankings import stage_metrics
-from diffusion_gr2.core.tracking.manifest import read_report
 from tests.conftest import PROJECT_ROOT, run_kedro
 
 SYSTEMS = ("prerank", "ar_sft", "ar_rl", "naive", "cft", "opd", "rl", "distilled")

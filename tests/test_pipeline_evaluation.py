@@ -14,12 +14,12 @@ import pytest
 import torch
 import yaml
 
+from diffusion_gr2.core.base.manifest import read_report
 from diffusion_gr2.core.bench.benchmark import BENCHMARK_KEYS
 from diffusion_gr2.core.evaluate.metrics import METRICS
 from diffusion_gr2.core.evaluate.rankings import stage_metrics
 from diffusion_gr2.core.model.factory import save_model
 from diffusion_gr2.core.rank.rerank import AR_SYSTEMS, DIFFUSION_SYSTEMS, SYSTEMS
-from diffusion_gr2.core.tracking.manifest import read_report
 from tests.conftest import empty_mlflow_store, isolated_project, run_kedro
 from tests.core.model.tiny import tiny_model_for
 from tests.core.rank.world import make_world

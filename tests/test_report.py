@@ -15,9 +15,9 @@ import pytest
 import torch
 from nbclient import NotebookClient
 
+from diffusion_gr2.core.base.manifest import read_report
 from diffusion_gr2.core.evaluate.metrics import REASONING_METRICS
 from diffusion_gr2.core.evaluate.report import BENCHMARK_COLUMNS, STAGE_COLUMNS
-from diffusion_gr2.core.tracking.manifest import read_report
 from tests.conftest import PROJECT_ROOT, run_kedro
 
 NOTEBOOKS = sorted((PROJECT_ROOT / "notebooks").glob("*.ipynb"))

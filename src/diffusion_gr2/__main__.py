@@ -148,10 +148,10 @@ def _request_log_environment(uri: str, client) -> dict[str, str]:  # noqa: ANN00
 def summary(reporting: str) -> str:
     """The run's last line: whether the served diffusion system has an operating point, what `make
     register` will gate, what serves now. Never fails: a missing report or store is said in the line."""
+    from diffusion_gr2.core.base.manifest import read_report
     from diffusion_gr2.core.rank.operating_point import OperatingPointError, resolve_operating_point
     from diffusion_gr2.core.rank.rerank import SERVED_DIFFUSION
     from diffusion_gr2.core.tracking import registry
-    from diffusion_gr2.core.tracking.manifest import read_report
 
     path = Path(reporting) / "operating_point.json"
     points = read_report(path)[0] if path.exists() else None

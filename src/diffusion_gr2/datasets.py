@@ -13,8 +13,8 @@ from typing import Any
 import pandas as pd
 from kedro.io import AbstractDataset, DatasetError
 
+from diffusion_gr2.core.base.manifest import RUN_REPORTS, current_manifest, load_reports, stamp, unstamp
 from diffusion_gr2.core.io import atomic_write_json, atomic_write_parquet
-from diffusion_gr2.core.tracking.manifest import RUN_REPORTS, current_manifest, load_reports, stamp, unstamp
 
 
 class _AtomicFileDataset(AbstractDataset[Any, Any]):
@@ -63,7 +63,7 @@ class AtomicParquetDataset(_AtomicFileDataset):
 
 class RunReportDataset(AtomicJSONDataset):
     """A report of the evaluation or benchmark stage, stored with the manifest of the run that wrote it
-    (`core.tracking.manifest`: run id, commit, env, pipelines, start, the models' digests), so that
+    (`core.base.manifest`: run id, commit, env, pipelines, start, the models' digests), so that
     `make results` and the report can say which run each figure came from."""
 
     def save(self, data: Any) -> None:

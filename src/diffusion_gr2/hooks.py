@@ -13,7 +13,7 @@ from typing import Any
 import mlflow
 from kedro.framework.hooks import hook_impl
 
-from diffusion_gr2.core.tracking import manifest
+from diffusion_gr2.core.base import manifest
 from diffusion_gr2.core.tracking.lineage import (
     DigestCache,
     NodeRecord,
@@ -167,7 +167,7 @@ class NodeLineageHooks:
 
 
 class RunManifestHooks:
-    """Open the run context every report file is stamped from (`core.tracking.manifest`).
+    """Open the run context every report file is stamped from (`core.base.manifest`).
 
     Before the first node: the MLflow run id (kedro-mlflow's hook, a plugin, has opened the run), the
     commit the run starts from, the environment, the pipelines asked for and whether only part of them

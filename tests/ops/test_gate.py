@@ -10,7 +10,7 @@ import mlflow
 import pandas as pd
 import pytest
 
-from diffusion_gr2.core.bench.harness import TimedRate
+from diffusion_gr2.core.base.speed import TimedRate
 from diffusion_gr2.core.evaluate.policy import Policy
 from diffusion_gr2.core.rank.rerank import SERVED_DIFFUSION
 from diffusion_gr2.core.tracking import registry

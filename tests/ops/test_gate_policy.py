@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from diffusion_gr2.core.bench.harness import Ratio
+from diffusion_gr2.core.base.speed import Ratio
 from diffusion_gr2.core.evaluate.metrics import PairedBootstrap
 from diffusion_gr2.core.evaluate.policy import TOLERANCE, Policy
 from diffusion_gr2.core.tracking import gate

@@ -11,7 +11,7 @@ from typing import Any
 import pandas as pd
 import pytest
 
-from diffusion_gr2.core.bench.harness import TimedRate, speedup, statistic
+from diffusion_gr2.core.base.speed import TimedRate, speedup, statistic
 from diffusion_gr2.core.tracking.gate import GateConfig, speeds
 
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
+from diffusion_gr2.core.base.speed import statistic
 from diffusion_gr2.core.bench import benchmark as bench
 from diffusion_gr2.core.bench.benchmark import (
     BENCHMARK_KEYS,
@@ -21,16 +22,15 @@ from diffusion_gr2.core.bench.benchmark import (
     format_table,
     plan_length_settings,
     plan_settings,
-    ranked_speed,
     run_benchmark,
     speedup_by_length,
     time_candidates,
 )
-from diffusion_gr2.core.bench.harness import Call, calls_per_round, statistic
+from diffusion_gr2.core.bench.harness import Call, calls_per_round
 from diffusion_gr2.core.decode.decoder import decode
 from diffusion_gr2.core.evaluate.plots import speedup_by_batch_figure, speedup_by_length_figure
 from diffusion_gr2.core.evaluate.policy import Policy
-from diffusion_gr2.core.rank.operating_point import refused_operating_point
+from diffusion_gr2.core.rank.operating_point import ranked_speed, refused_operating_point
 from diffusion_gr2.core.rank.rerank import RerankConfig, decode_config_for, request_grammars
 from diffusion_gr2.core.text.tokenizer import IM_END
 from tests.core.model.tiny import tiny_model_for

@@ -7,20 +7,22 @@ import statistics
 
 import pytest
 
+from diffusion_gr2.core.base.speed import (
+    geometric_mean_ratios,
+    interval_fields,
+    paired_ratios,
+    ratio_interval,
+    speedup,
+    statistic,
+    tokens_per_s,
+)
 from diffusion_gr2.core.bench.harness import (
     Call,
     TimedSystem,
     calls_per_round,
     cycled_batches,
-    geometric_mean_ratios,
-    interval_fields,
-    paired_ratios,
-    ratio_interval,
     round_rates,
-    speedup,
-    statistic,
     time_rounds,
-    tokens_per_s,
 )
 
 

@@ -9,8 +9,8 @@ import mlflow
 import pandas as pd
 import pytest
 
+from diffusion_gr2.core.base.manifest import RunManifest, RunSources
 from diffusion_gr2.core.evaluate import report as R
-from diffusion_gr2.core.tracking.manifest import RunManifest, RunSources
 from tests.conftest import empty_mlflow_store
 
 CI = {

@@ -15,9 +15,8 @@ import pytest
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
-from diffusion_gr2.core.bench import benchmark
+from diffusion_gr2.core.bench.benchmark import candidate_timer
 from diffusion_gr2.core.evaluate.policy import Policy
-from diffusion_gr2.core.rank import point_search
 from diffusion_gr2.core.rank.operating_point import PRERANK, paired_key, timed_speed_ratio
 from diffusion_gr2.core.rank.point_search import (
     OperatingPointConfig,
@@ -59,7 +58,7 @@ def test_every_environment_builds_the_config(env: str | None, monkeypatch: pytes
     assert config.policy is policy and config.n_boot == section["n_boot"]
     assert config.candidates == [(float(t), w) for t in section["taus"] for w in section["windows"]]
     # the harness's reference is the operating point's, stated once
-    assert config.timing.reference == config.reference == section["reference"]
+    assert candidate_timer(config).keywords["config"].reference == config.reference == section["reference"]
     assert config.timing.n_prompts == section["timing"]["n_prompts"]
 
 
@@ -101,9 +100,13 @@ class World:
         )[0]
 
     def search(self, config: OperatingPointConfig, reference_model: bool = True) -> dict[str, Any]:
+        """The search, timed by the harness on a clock whose every call lasts the same (a rerun
+        times the same speeds)."""
+        ticks = itertools.count()
+        timer = candidate_timer(config, clock=lambda: float(next(ticks)))
         reference = Reference(self.ar_rows, self.ar if reference_model else None)
         return search_operating_point(
-            self.diffusion, self.tokenizer, "rl", self.valid, reference, self.decoding, config
+            self.diffusion, self.tokenizer, "rl", self.valid, reference, self.decoding, config, timer
         ).point
 
 
@@ -115,17 +118,6 @@ def world() -> Iterator[World]:
     torch.set_num_threads(threads)
 
 
-@pytest.fixture
-def steady_clock(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The harness on a clock whose every call lasts the same: a rerun times the same speeds."""
-
-    def timed(*args: Any, **kwargs: Any) -> Any:
-        ticks = itertools.count()
-        return benchmark.time_candidates(*args, clock=lambda: float(next(ticks)), **kwargs)
-
-    monkeypatch.setattr(point_search, "time_candidates", timed)
-
-
 BASE = OperatingPointConfig.from_params(SECTION, LOOSE)
 
 
@@ -135,7 +127,7 @@ def bars(**changes: float) -> OperatingPointConfig:
 
 @pytest.mark.parametrize(("key", "field"), [(KEY, "choice_margin"), (PRE, "prerank_margin")])
 def test_each_r1_margin_admits_a_candidate_whose_lower_bound_is_exactly_at_it(
-    world: World, steady_clock, key: str, field: str
+    world: World, key: str, field: str
 ) -> None:
     (candidate,) = world.search(BASE)["candidates"]
     low = candidate[f"{key}.low"]
@@ -146,7 +138,7 @@ def test_each_r1_margin_admits_a_candidate_whose_lower_bound_is_exactly_at_it(
     assert "timed_prompts" not in below["candidates"][0]  # refused on accuracy: never timed
 
 
-def test_the_own_valid_floor_admits_a_candidate_exactly_at_it(world: World, steady_clock) -> None:
+def test_the_own_valid_floor_admits_a_candidate_exactly_at_it(world: World) -> None:
     (candidate,) = world.search(BASE)["candidates"]
     own = candidate["unforced_rate"]
     at = world.search(bars(min_unforced_rate=own))
@@ -155,7 +147,7 @@ def test_the_own_valid_floor_admits_a_candidate_exactly_at_it(world: World, stea
     assert above["tau"] is None and f"own valid rate >= {own + 1e-9:.2f}" in above["refused"]
 
 
-def test_the_speed_floor_admits_a_timed_speed_up_exactly_at_it(world: World, steady_clock) -> None:
+def test_the_speed_floor_admits_a_timed_speed_up_exactly_at_it(world: World) -> None:
     (candidate,) = world.search(BASE)["candidates"]
     speed = timed_speed_ratio(candidate, "ar_rl", 1)
     assert speed is not None and speed > 0
@@ -165,7 +157,7 @@ def test_the_speed_floor_admits_a_timed_speed_up_exactly_at_it(world: World, ste
     assert above["tau"] is None and "timed speed-up over ar_rl" in above["refused"]
 
 
-def test_the_chosen_speed_is_the_harness_figure_never_the_pass_wall_clock(world: World, steady_clock) -> None:
+def test_the_chosen_speed_is_the_harness_figure_never_the_pass_wall_clock(world: World) -> None:
     point = world.search(replace(BASE, windows=(None, 2)))
     for c in point["candidates"]:  # both admitted (budget 1): both timed beside ar_rl, in one round
         assert c["timed_prompts"] == 2 and c["statistic"].startswith("median of 1 interleaved round")
@@ -181,8 +173,10 @@ def test_no_reference_model_or_rows_refuses_without_timing(world: World) -> None
     point = world.search(BASE, reference_model=False)
     assert point["tau"] is None and "ar_rl's model was not given" in point["refused"]
     assert "timed_prompts" not in point["candidates"][0]
+    reference = Reference(None, world.ar)
+    untimed = candidate_timer(BASE)
     rows = search_operating_point(
-        world.diffusion, world.tokenizer, "rl", world.valid, Reference(None, world.ar), world.decoding, BASE
+        world.diffusion, world.tokenizer, "rl", world.valid, reference, world.decoding, BASE, untimed
     )
     assert "no validation rankings of the reference" in rows.point["refused"]
     assert isinstance(rows.rows, pd.DataFrame) and len(rows.rows) == len(world.valid)

@@ -33,10 +33,11 @@ ranking; `speedup_by_length` compares each budget with the reference under the s
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -44,24 +45,18 @@ import pandas as pd
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from diffusion_gr2.core.bench.generate_baseline import generate_tokens
-from diffusion_gr2.core.bench.harness import (
-    Call,
-    Ratio,
-    TimedSystem,
-    geometric_mean_ratios,
+from diffusion_gr2.core.base.speed import (
     interval_fields,
-    paired_ratios,
-    ratio_interval,
-    round_rates,
     speedup,
     statistic,
-    time_rounds,
     tokens_per_s,
 )
+from diffusion_gr2.core.bench.generate_baseline import generate_tokens
+from diffusion_gr2.core.bench.harness import Call, TimedSystem, round_rates, time_rounds
 from diffusion_gr2.core.decode.decoder import decode, resolved_backend
 from diffusion_gr2.core.decode.grammar import TokenConstraint
-from diffusion_gr2.core.rank.operating_point import OperatingPointError, resolve_operating_point, speedup_key
+from diffusion_gr2.core.rank.operating_point import OperatingPointError, resolve_operating_point
+from diffusion_gr2.core.rank.point_search import OperatingPointConfig, TimeCandidates
 from diffusion_gr2.core.rank.rerank import (
     AR_SYSTEMS,
     RerankConfig,
@@ -84,10 +79,10 @@ __all__ = [
     "TimedSetting",
     "add_speedups",
     "benchmark_requests",
+    "candidate_timer",
     "describe_device",
     "format_table",
     "plan_settings",
-    "ranked_speed",
     "run_benchmark",
     "speedup_by_length",
     "summarize",
@@ -438,7 +433,7 @@ def summarize(setting: TimedSetting, rounds: Rounds, device: str, backend: str) 
 
 def add_speedups(rows: Sequence[Mapping[str, Any]], reference: str = "ar_rl") -> list[dict[str, Any]]:
     """`speedup_vs_ar` of every row with its interval: paired by round with `reference`'s row at the
-    same batch size and constrained flag (`harness.speedup`; None when the reference has no such row);
+    same batch size and constrained flag (`speed.speedup`; None when the reference has no such row);
     and `speedup_vs_best_ar` against the fastest AR row of the reference's weights there (`best_ar`
     names it: plain, `+pld`, `+<drafter>-draft`, `+graphs`, `generate` or `generate+pld`: every
     lossless one)."""
@@ -496,7 +491,7 @@ def time_candidates(
 
     The operating point's speed side: the benchmark's harness, all candidates and, with
     `reference_model`, `config.reference` (AR) interleaved in the same rounds (key None), under
-    `grammars` when given (as served). `ranked_speed` turns a candidate's rounds into its figures.
+    `grammars` when given (as served). `operating_point.ranked_speed` turns a candidate's rounds into its figures.
     """
     constrained = grammars is not None
     settings = {
@@ -522,35 +517,14 @@ def time_candidates(
     return out
 
 
-def ranked_speed(
-    by_batch: Mapping[int, Sequence[float]],
-    reference: Mapping[int, Sequence[float]] | None = None,
-    name: str = "ar_rl",
-) -> dict[str, Any]:
-    """A timed candidate's speed fields from its per-round tokens/s per batch size (`time_candidates`).
-
-    `tokens_per_s_by_batch`: the harness statistic per batch size; `tokens_per_s`, the figure the
-    operating point ranks by: per round the geometric mean over batch sizes (each weighs the same,
-    whatever its scale), its median over rounds. With `reference`'s rounds (the same rounds):
-    `speedup_vs_<name>` and its interval, from the per-round geometric mean of the ratios, and the
-    same per batch size (`speedup_vs_<name>_by_batch`).
-    """
-    sizes = sorted(by_batch)
-    per_round = geometric_mean_ratios([by_batch[b] for b in sizes])
-    fields: dict[str, Any] = {
-        "tokens_per_s_by_batch": {str(b): tokens_per_s(by_batch[b]) for b in sizes},
-        "tokens_per_s": tokens_per_s(per_round),
-        "tokens_per_s_by_round": per_round,
-        "statistic": statistic(len(per_round)),
-    }
-    ratios: Ratio | None = None
-    if reference is not None:
-        paired = {b: paired_ratios(by_batch[b], reference[b]) for b in sizes}
-        ratios = ratio_interval(geometric_mean_ratios([paired[b] for b in sizes]))
-        fields[f"{speedup_key(name)}_by_batch"] = {
-            str(b): interval_fields("speedup", ratio_interval(paired[b])) for b in sizes
-        }
-    return fields | interval_fields(speedup_key(name), ratios)
+def candidate_timer(
+    point: OperatingPointConfig, clock: Callable[[], float] = time.perf_counter
+) -> TimeCandidates:
+    """The operating point's timer (`point_search.TimeCandidates`, which the pipeline nodes hand to
+    the search): `time_candidates` under `point.timing`'s settings, `point.reference` timed beside
+    the candidates."""
+    config = BenchmarkConfig(**asdict(point.timing), reference=point.reference)
+    return functools.partial(time_candidates, config=config, clock=clock)
 
 
 def _samples(setting: TimedSetting, rounds: Rounds) -> list[dict[str, Any]]:

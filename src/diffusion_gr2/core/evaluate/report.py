@@ -24,6 +24,7 @@ import pandas as pd
 from markdown_it import MarkdownIt
 from matplotlib.figure import Figure
 
+from diffusion_gr2.core.base.manifest import RunSources
 from diffusion_gr2.core.evaluate.metrics import REASONING_METRICS
 from diffusion_gr2.core.evaluate.plots import (
     frontier_figure,
@@ -42,7 +43,6 @@ from diffusion_gr2.core.evaluate.tables import (
     tau_cell,
     window_cell,
 )
-from diffusion_gr2.core.tracking.manifest import RunSources
 
 logger = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ R@1 with its 95% interval, the paired R@1 difference to `ar_rl` and to the pre-r
 and the served valid rates, tokens per forward, and the speed-up over `ar_rl` at batch 1 and 16 (and
 over the fastest AR row of the benchmark) under the answer grammar, each with its interval. Then the
 run the figures came from (date, commit, env, pipelines, machine, minutes), read from each file's own
-manifest (`core.tracking.manifest`): one `Run:` line when every file came from one run, else a line
+manifest (`core.base.manifest`): one `Run:` line when every file came from one run, else a line
 per source run naming its files, and a flag on any model two runs measured with different weights.
 `python -m diffusion_gr2 results` prints it (`--strict`: refuses a mixture); the run report starts
 with it; the README embeds the last default run's.
@@ -23,9 +23,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from diffusion_gr2.core.bench.harness import speedup
-from diffusion_gr2.core.evaluate.tables import interval, markdown_table, missing, paired_row, same_setting
-from diffusion_gr2.core.tracking.manifest import (
+from diffusion_gr2.core.base.manifest import (
     NO_RECORD,
     MixedRunsError,
     ReportFileError,
@@ -33,10 +31,11 @@ from diffusion_gr2.core.tracking.manifest import (
     RunSources,
     load_reports,
 )
+from diffusion_gr2.core.base.speed import speedup
+from diffusion_gr2.core.evaluate.tables import interval, markdown_table, missing, paired_row, same_setting
 
 __all__ = ["MixedRunsError", "ResultsError", "results_markdown", "results_table", "runs_text"]
 
-AR_ROWS = ("ar_rl", "ar_sft", "generate")  # benchmark rows decoded one token a forward (no tau)
 SPEED_BATCHES = (1, 16)
 RESULTS_HEAD = (
     "system",

@@ -25,6 +25,15 @@ from typing import Any
 
 import pandas as pd
 
+from diffusion_gr2.core.base.speed import (
+    Ratio,
+    geometric_mean_ratios,
+    interval_fields,
+    paired_ratios,
+    ratio_interval,
+    statistic,
+    tokens_per_s,
+)
 from diffusion_gr2.core.evaluate.metrics import paired_bootstrap, request_key, user_values
 from diffusion_gr2.core.evaluate.policy import Policy, clears
 
@@ -37,6 +46,7 @@ __all__ = [
     "meets_accuracy_gates",
     "paired_key",
     "paired_recall",
+    "ranked_speed",
     "refused_operating_point",
     "resolve_operating_point",
     "speed_refusal",
@@ -62,6 +72,37 @@ def speedup_key(reference: str = "ar_rl") -> str:
     """Name of a candidate's timed speed-up over `reference` (`speedup_vs_ar_rl`, `ranked_speed`);
     `_low` and `_high` are its interval over the timing rounds, `_by_batch` the same per batch size."""
     return f"speedup_vs_{reference}"
+
+
+def ranked_speed(
+    by_batch: Mapping[int, Sequence[float]],
+    reference: Mapping[int, Sequence[float]] | None = None,
+    name: str = "ar_rl",
+) -> dict[str, Any]:
+    """A timed candidate's speed fields from its per-round tokens/s per batch size (`core/bench/benchmark.py::time_candidates`).
+
+    `tokens_per_s_by_batch`: the harness statistic per batch size; `tokens_per_s`, the figure the
+    operating point ranks by: per round the geometric mean over batch sizes (each weighs the same,
+    whatever its scale), its median over rounds. With `reference`'s rounds (the same rounds):
+    `speedup_vs_<name>` and its interval, from the per-round geometric mean of the ratios, and the
+    same per batch size (`speedup_vs_<name>_by_batch`).
+    """
+    sizes = sorted(by_batch)
+    per_round = geometric_mean_ratios([by_batch[b] for b in sizes])
+    fields: dict[str, Any] = {
+        "tokens_per_s_by_batch": {str(b): tokens_per_s(by_batch[b]) for b in sizes},
+        "tokens_per_s": tokens_per_s(per_round),
+        "tokens_per_s_by_round": per_round,
+        "statistic": statistic(len(per_round)),
+    }
+    ratios: Ratio | None = None
+    if reference is not None:
+        paired = {b: paired_ratios(by_batch[b], reference[b]) for b in sizes}
+        ratios = ratio_interval(geometric_mean_ratios([paired[b] for b in sizes]))
+        fields[f"{speedup_key(name)}_by_batch"] = {
+            str(b): interval_fields("speedup", ratio_interval(paired[b])) for b in sizes
+        }
+    return fields | interval_fields(speedup_key(name), ratios)
 
 
 def timed_speed_ratio(candidate: Mapping[str, Any], reference: str, batch_size: int) -> float | None:

@@ -10,8 +10,9 @@ the serving policy (`OperatingPointConfig.policy`, the one the registration gate
    (`paired_recall`, at the policy's level);
 3. keep those that clear the accuracy bars, the R@1 margins against both and the own-valid floor
    (`meets_accuracy_gates`): no other can be served, so no other is timed;
-4. time them beside the reference in the benchmark's harness (`time_candidates`: interleaved
-   rounds, the same prompts, under the grammar as served; `ranked_speed`);
+4. time them beside the reference with the timer the caller hands over (`TimeCandidates`; the
+   pipeline nodes pass the benchmark's harness, `core/bench/benchmark.py::candidate_timer`:
+   interleaved rounds, the same prompts, under the grammar as served; `ranked_speed`);
 5. choose the fastest that also clears the speed floor (`choose_operating_point`), or refuse.
 
 Speed that feeds a decision comes from the harness alone: a candidate that meets the gates is
@@ -28,14 +29,14 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, Protocol
 
 import pandas as pd
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from diffusion_gr2.core.bench.benchmark import BenchmarkConfig, ranked_speed, time_candidates
+from diffusion_gr2.core.decode.grammar import TokenConstraint
 from diffusion_gr2.core.evaluate.metrics import user_values
 from diffusion_gr2.core.evaluate.policy import Policy
 from diffusion_gr2.core.rank.operating_point import (
@@ -45,6 +46,7 @@ from diffusion_gr2.core.rank.operating_point import (
     meets_accuracy_gates,
     paired_key,
     paired_recall,
+    ranked_speed,
     refused_operating_point,
 )
 from diffusion_gr2.core.rank.rerank import (
@@ -61,19 +63,54 @@ from diffusion_gr2.core.rank.rerank import (
 logger = logging.getLogger(__name__)
 
 __all__ = [
+    "CandidateTiming",
     "FloorScreen",
     "OperatingPointConfig",
     "OperatingPointSearch",
     "Reference",
     "TauWindow",
+    "TimeCandidates",
     "search_beside_reference",
     "search_operating_point",
 ]
 
 TauWindow = tuple[float | None, int | None]  # a decoding setting: (tau, window); AR: (None, None)
-# The harness settings the candidates' timing reads (`time_candidates`); the rest of
-# `BenchmarkConfig` belongs to the benchmark stage, and the reference is the operating point's own.
-TIMING_KEYS = frozenset({"n_prompts", "batch_sizes", "rounds", "min_calls", "warmup"})
+
+
+class TimeCandidates(Protocol):
+    """What times the admitted candidates beside the reference, handed over by the caller (the
+    pipeline nodes: the benchmark's harness, `core/bench/benchmark.py::candidate_timer`): per
+    candidate (tau, window), and for the reference (key None), the per-round output tokens/s at
+    each timing batch size, all in the same interleaved rounds."""
+
+    def __call__(
+        self,
+        model: PreTrainedModel,
+        system: str,
+        candidates: Sequence[tuple[float, int | None]],
+        prompts: Sequence[Sequence[int]],
+        tokenizer: PreTrainedTokenizerBase,
+        decoding: RerankConfig,
+        *,
+        grammars: Sequence[TokenConstraint] | None,
+        reference_model: PreTrainedModel,
+    ) -> Mapping[tuple[float, int | None] | None, Mapping[int, Sequence[float]]]: ...
+
+
+@dataclass(frozen=True)
+class CandidateTiming:
+    """`operating_point.timing`: the harness settings the candidates are timed under; the rest of
+    the benchmark's settings belong to the benchmark stage, and the reference is the operating
+    point's own."""
+
+    n_prompts: int  # the first validation requests, timed
+    batch_sizes: tuple[int, ...]
+    rounds: int
+    min_calls: int
+    warmup: int
+
+
+TIMING_KEYS = frozenset(f.name for f in fields(CandidateTiming))
 
 
 def _exact_keys(section: Mapping[str, Any], expected: set[str] | frozenset[str], where: str) -> None:
@@ -104,7 +141,7 @@ class OperatingPointConfig:
     speed_batch_size: int  # the policy's speed floor is read at this batch size
     taus: tuple[float, ...]
     windows: tuple[int | None, ...]  # None = the whole block
-    timing: BenchmarkConfig  # the harness's rounds, prompts and batch sizes; its reference is ours
+    timing: CandidateTiming  # the harness's rounds, prompts and batch sizes; its reference is ours
     policy: Policy  # the bars (`params:policy`): margins, floors and level, the gate's too
 
     @classmethod
@@ -130,7 +167,7 @@ class OperatingPointConfig:
             speed_batch_size=int(section["speed_batch_size"]),
             taus=tuple(float(t) for t in section["taus"]),
             windows=tuple(None if w is None else int(w) for w in section["windows"]),
-            timing=BenchmarkConfig.from_params({**timing, "reference": section["reference"]}),
+            timing=CandidateTiming(**{k: tuple(v) if isinstance(v, list) else v for k, v in timing.items()}),
             policy=policy,
         )
 
@@ -168,11 +205,12 @@ def search_operating_point(
     reference: Reference,
     decoding: RerankConfig,
     config: OperatingPointConfig,
+    time: TimeCandidates,
 ) -> OperatingPointSearch:
     """Decode, gate, time and choose `system`'s operating point on the validation `requests`.
 
     `model` is ready to decode (`prepare_model`); `requests` are the validation requests in
-    `select_requests` order, the first of which are timed. The steps are the module docstring's.
+    `select_requests` order, the first of which `time` times. The steps are the module docstring's.
     """
     rows, candidates = _decode_candidates(model, tokenizer, system, requests, decoding, config)
     policy, name = config.policy, config.reference
@@ -193,7 +231,9 @@ def search_operating_point(
             point = refused_operating_point(candidates, ref_recall, policy, reason, name)
             return OperatingPointSearch(rows, point)
         passed = [c for c, ok in zip(candidates, admitted, strict=True) if ok]
-        timed = iter(_timed(model, tokenizer, system, requests, reference.model, decoding, config, passed))
+        timed = iter(
+            _timed(model, tokenizer, system, requests, reference.model, decoding, config, time, passed)
+        )
         candidates = [next(timed) if ok else c for c, ok in zip(candidates, admitted, strict=True)]
     return OperatingPointSearch(rows, _choose(system, candidates, ref_recall, config))
 
@@ -224,6 +264,7 @@ def search_beside_reference(
     requests: pd.DataFrame,
     decoding: RerankConfig,
     config: OperatingPointConfig,
+    time: TimeCandidates,
 ) -> OperatingPointSearch:
     """`search_operating_point` for a caller with the reference's model but not its rows (a retrain,
     which runs no inference stage): the reference decodes every validation request first, as
@@ -237,7 +278,7 @@ def search_beside_reference(
     # an AR system decodes once, whatever the settings (`rerank_system`)
     rows = rerank_system(reference_model, requests, tokenizer, config.reference, [], decoding, "valid")[0]
     return search_operating_point(
-        model, tokenizer, system, requests, Reference(rows, reference_model), decoding, config
+        model, tokenizer, system, requests, Reference(rows, reference_model), decoding, config, time
     )
 
 
@@ -267,10 +308,11 @@ def _timed(
     reference_model: PreTrainedModel,
     decoding: RerankConfig,
     config: OperatingPointConfig,
+    time: TimeCandidates,
     candidates: list[dict[str, Any]],
 ) -> list[dict[str, Any]]:
     """`candidates` (those the accuracy gates admitted) with their speed timed beside the reference,
-    in one call of the harness (the same interleaved rounds) on the first `timing.n_prompts` requests.
+    in one call of `time` (the same interleaved rounds) on the first `timing.n_prompts` requests.
 
     `tokens_per_s` becomes `ranked_speed`'s (per round the geometric mean over the timing batch
     sizes, median over rounds, named in `statistic`), with the paired `speedup_vs_<reference>` and
@@ -281,15 +323,14 @@ def _timed(
     grammars = request_grammars(tokenizer, head, decoding.cite_prompt_sids) if decoding.constrained else None
     settings = [(float(c["tau"]), c["window"]) for c in candidates]
     reference_model = prepare_model(reference_model, decoding.device)
-    timed = time_candidates(
+    timed = time(
         model,
         system,
         settings,
         prompts,
         tokenizer,
         decoding,
-        config.timing,
-        grammars,
+        grammars=grammars,
         reference_model=reference_model,
     )
     return [

@@ -40,7 +40,8 @@ from typing import Any
 
 import pandas as pd
 
-from diffusion_gr2.core.bench.harness import TimedRate, TimedSystem, round_rates, speedup, time_rounds
+from diffusion_gr2.core.base.speed import TimedRate, speedup
+from diffusion_gr2.core.bench.harness import TimedSystem, round_rates, time_rounds
 from diffusion_gr2.core.evaluate.metrics import paired_bootstrap
 from diffusion_gr2.core.evaluate.policy import Policy, clears
 from diffusion_gr2.core.tracking.serving import Ranker, RequestError, parse_request
@@ -164,7 +165,7 @@ def speeds(
     which every ranker decodes all of them, `speed_batch_size` rows a call.
 
     Each value is a `TimedRate`: a float, the median over rounds, carrying `tokens_per_s_by_round` and
-    `statistic`; `harness.speedup(rates["challenger"], rates["teacher"])` is the speed-up paired by
+    `statistic`; `speed.speedup(rates["challenger"], rates["teacher"])` is the speed-up paired by
     round with its interval.
     """
     records = requests.to_dict("records")[: config.speed_requests]
@@ -224,7 +225,7 @@ def _non_inferior(
 
 
 def _speed_check(challenger: float, teacher: float, config: GateConfig) -> tuple[Check, dict[str, float]]:
-    """The challenger's speed-up over the teacher, paired by round with its interval (`harness.speedup`).
+    """The challenger's speed-up over the teacher, paired by round with its interval (`speed.speedup`).
 
     A plain rate is one round. The check passes when the interval's lower end reaches
     `min_speed_ratio` and the interval covers at least `level`: with too few rounds its range claims a

@@ -26,12 +26,12 @@ import pandas as pd
 from mlflow import MlflowClient
 from mlflow.exceptions import MlflowException
 
+from diffusion_gr2.core.base.manifest import read_report
 from diffusion_gr2.core.data.readers import classify_file
 from diffusion_gr2.core.evaluate.tables import markdown_table
 from diffusion_gr2.core.tracking.ingest import read_interactions
 from diffusion_gr2.core.tracking.lineage import file_md5
 from diffusion_gr2.core.tracking.lineage_report import Lineage, raw_inputs
-from diffusion_gr2.core.tracking.manifest import read_report
 from diffusion_gr2.core.tracking.mlflow_utils import NotFoundError, model_version, version_by_alias
 
 logger = logging.getLogger(__name__)

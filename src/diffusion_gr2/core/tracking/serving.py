@@ -70,7 +70,6 @@ __all__ = [
     "parse_request",
 ]
 
-REQUEST_FIELDS = ("history", "candidates")  # required; `request_id` is optional
 PRERANK = "prerank"  # ServingConfig.system of the retriever's order (no model)
 
 

@@ -12,7 +12,7 @@ champion logged, and the gate gets checks on:
 * latency paired with the champion's: both decode the first `latency_requests` at batch 1,
   interleaved request by request, here on the same machine (the logged latencies were measured on
   the serving machine under its load, so they are reported, not compared); the check is the lower
-  end of the median per-request speed-up's sign-test interval (`harness.speedup`);
+  end of the median per-request speed-up's sign-test interval (`speed.speedup`);
 * delayed feedback: where a later delivery holds a logged user's next interaction (the user's
   earliest delivered row whose item is not in the request's history), the realised hit rate (top-1
   = that item) of the served answer and of the challenger's, with a paired bootstrap interval over
@@ -41,7 +41,7 @@ import numpy as np
 import pandas as pd
 from scipy.stats import kendalltau
 
-from diffusion_gr2.core.bench.harness import speedup
+from diffusion_gr2.core.base.speed import speedup
 from diffusion_gr2.core.evaluate.metrics import paired_bootstrap
 from diffusion_gr2.core.evaluate.policy import clears
 from diffusion_gr2.core.tracking.gate import Check, GateConfig, at_least, servable

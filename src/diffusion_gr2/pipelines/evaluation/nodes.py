@@ -9,6 +9,7 @@ import pandas as pd
 from matplotlib.figure import Figure
 from transformers import PreTrainedTokenizerFast
 
+from diffusion_gr2.core.base.manifest import current_manifest
 from diffusion_gr2.core.evaluate.metrics import REASONING_METRICS, prompt_contexts, reasoning_metrics
 from diffusion_gr2.core.evaluate.plots import metric_figure, valid_rate_figure
 from diffusion_gr2.core.evaluate.policy import Policy
@@ -29,7 +30,6 @@ from diffusion_gr2.core.evaluate.report import (
     report_figures,
     report_run,
 )
-from diffusion_gr2.core.tracking.manifest import current_manifest
 from diffusion_gr2.core.tracking.mlflow_utils import as_metrics_history
 
 

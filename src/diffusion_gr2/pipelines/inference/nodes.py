@@ -22,6 +22,7 @@ from typing import Any
 import pandas as pd
 from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
+from diffusion_gr2.core.bench.benchmark import candidate_timer
 from diffusion_gr2.core.evaluate.policy import Policy
 from diffusion_gr2.core.evaluate.rankings import rankings_summary
 from diffusion_gr2.core.rank.point_search import (
@@ -118,8 +119,10 @@ def make_rerank_node(system: str) -> Callable[..., pd.DataFrame | dict[str, Any]
         if "valid" in params["splits"]:
             valid = _split_requests(requests, params, "valid")
             if config.chooses(system):
+                reference_of = Reference(reference, reference_model)
+                timer = candidate_timer(config)  # the benchmark's harness times the admitted
                 found = search_operating_point(
-                    model, tokenizer, system, valid, Reference(reference, reference_model), decoding, config
+                    model, tokenizer, system, valid, reference_of, decoding, config, timer
                 )
                 frames.append(found.rows)
                 operating_point = found.point

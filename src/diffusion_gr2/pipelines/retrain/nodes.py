@@ -12,6 +12,7 @@ from typing import Any
 import mlflow
 import pandas as pd
 
+from diffusion_gr2.core.bench.benchmark import candidate_timer
 from diffusion_gr2.core.evaluate.policy import Policy
 from diffusion_gr2.core.rank.point_search import OperatingPointConfig, search_beside_reference
 from diffusion_gr2.core.rank.rerank import SERVED_DIFFUSION, RerankConfig, select_requests
@@ -129,7 +130,14 @@ def choose_operating_point(
     decoding = RerankConfig(**inference["decoding"])
     valid = select_requests(requests, "valid", inference["max_requests"])
     found = search_beside_reference(
-        model_diffusion, model_ar_rl, tokenizer, SERVED_DIFFUSION, valid, decoding, config
+        model_diffusion,
+        model_ar_rl,
+        tokenizer,
+        SERVED_DIFFUSION,
+        valid,
+        decoding,
+        config,
+        candidate_timer(config),
     )
     return {SERVED_DIFFUSION: found.point}
 

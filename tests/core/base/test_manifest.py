@@ -15,9 +15,9 @@ from types import SimpleNamespace
 
 import pytest
 
+from diffusion_gr2.core.base import manifest
+from diffusion_gr2.core.base.manifest import MixedRunsError, RunManifest, load_reports, read_report
 from diffusion_gr2.core.evaluate.results import results_markdown, runs_text
-from diffusion_gr2.core.tracking import manifest
-from diffusion_gr2.core.tracking.manifest import MixedRunsError, RunManifest, load_reports, read_report
 from diffusion_gr2.datasets import AtomicJSONDataset, OptionalJSONDataset, ReportRunsDataset, RunReportDataset
 from tests.core.evaluate.test_results import bench, paired, stage
 
