@@ -296,6 +296,7 @@ def diffusion_gr2():
     tasks["train-tokenizer"] >> tasks["choose-operating-point"]
     tasks["choose-operating-point"] >> tasks["register-models"]
     tasks["fit-item-sids"] >> tasks["register-models"]
+    tasks["generate-traces"] >> tasks["register-models"]
     tasks["prepare-dataset"] >> tasks["register-models"]
     tasks["train-ar-rl"] >> tasks["register-models"]
     tasks["train-distilled-round3"] >> tasks["register-models"]

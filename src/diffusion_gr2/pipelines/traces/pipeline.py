@@ -10,7 +10,7 @@ def create_pipeline(**kwargs) -> Pipeline:
         [
             Node(
                 generate_traces,
-                inputs=["candidates", "items", "sids", "splits", "params:traces"],
+                inputs=["candidates", "items", "sids", "splits", "params:traces", "params:policy"],
                 outputs=["traces", "trace_stats", "evidence"],
                 name="generate_traces",
             ),
