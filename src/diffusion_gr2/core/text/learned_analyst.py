@@ -19,7 +19,7 @@ from sklearn.linear_model import LogisticRegression
 
 from diffusion_gr2.core.text.evidence import SIGNALS, Evidence
 from diffusion_gr2.core.text.prompt import ItemLookup, PromptConfig, visible_history
-from diffusion_gr2.core.text.traces import TAIL_ORDERS, RerankExample, write_trace
+from diffusion_gr2.core.text.traces import TAIL_ORDERS, RerankExample, noisy_order, write_trace
 
 
 @dataclass(frozen=True)
@@ -83,11 +83,7 @@ class LearnedAnalyst:
         """One noisy ranking (item ids, best first) and the trace that explains its top pick."""
         levels = self.levels(example)
         base = self.ranker.decision_function(design(levels, self.evidence.table.config.levels))
-        noisy = base + self.config.temperature * rng.gumbel(size=base.shape)
-        order = np.argsort(-noisy, kind="stable")
-        if self.config.tail != "noisy":
-            tail = range(len(base)) if self.config.tail == "prerank" else np.argsort(-base, kind="stable")
-            order = np.array([order[0], *(j for j in tail if j != order[0])])
+        order = noisy_order(base, self.config.temperature, self.config.tail, rng)
         ranking = [example.candidates[j] for j in order]
         history = [self.lookup[i] for i in visible_history(example.history, self.prompt_config)]
         ranked = [self.lookup[i] for i in ranking]

@@ -103,6 +103,16 @@ class AnalystConfig:
         return np.array([self.w_category, self.w_brand, self.w_recency, self.w_popularity, self.w_position])
 
 
+def noisy_order(base: np.ndarray, temperature: float, tail: str, rng: np.random.Generator) -> np.ndarray:
+    """A teacher's proposal: candidate indices, the pick drawn from `base` scores plus Gumbel noise
+    of scale `temperature`, then the rest in `tail` order (`TAIL_ORDERS`)."""
+    order = np.argsort(-(base + temperature * rng.gumbel(size=base.shape)), kind="stable")
+    if tail != "noisy":
+        rest = range(len(base)) if tail == "prerank" else np.argsort(-base, kind="stable")
+        order = np.array([order[0], *(j for j in rest if j != order[0])])
+    return order
+
+
 def history_weights(m: int, decay: float) -> np.ndarray:
     """[m] recency weights for a history of m items, oldest first (the latest item weighs 1)."""
     return decay ** np.arange(m - 1, -1, -1, dtype=np.float64)
@@ -196,11 +206,7 @@ class RuleBasedAnalyst:
     def propose(self, example: RerankExample, rng: np.random.Generator) -> tuple[str, list[int]]:
         """One noisy ranking (item ids, best first) and the trace that explains its top pick."""
         feats, base = self.scores(example)
-        noisy = base + self.config.temperature * rng.gumbel(size=base.shape)
-        order = np.argsort(-noisy, kind="stable")
-        if self.config.tail != "noisy":
-            tail = range(len(base)) if self.config.tail == "prerank" else np.argsort(-base, kind="stable")
-            order = np.array([order[0], *(j for j in tail if j != order[0])])
+        order = noisy_order(base, self.config.temperature, self.config.tail, rng)
         ranking = [example.candidates[j] for j in order]
         contrib = feats[order[0]] * self.config.weights()
         reason = _REASONS[FEATURES[int(np.argmax(contrib))]]
