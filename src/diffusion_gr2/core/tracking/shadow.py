@@ -160,6 +160,60 @@ def _answers(ranker: Ranker, records: list[dict[str, Any]]) -> list[dict[str, An
     return out
 
 
+def _evidence_counts(rows: pd.DataFrame, nexts: list[str | None]) -> dict[str, float]:
+    """The replayed requests, those with feedback, and those whose next item was a candidate."""
+    n, fed = len(rows), sum(t is not None for t in nexts)
+    return {
+        "shadow.requests": float(n),
+        "shadow.feedback_requests": float(fed),
+        "shadow.next_in_candidates": float(
+            sum(
+                t is not None and t in list(c)
+                for t, c in zip(nexts, rows.get("candidates", []), strict=False)
+            )
+        ),
+    }
+
+
+def _agreement_numbers(rows: pd.DataFrame, answers: list[dict[str, Any]]) -> dict[str, float]:
+    """The challenger's agreement with the served rankings, its valid rates, the champion's logged figures."""
+    served = [list(r) for r in rows["ranking"]]
+    mine = [a["ranking"] for a in answers]
+    return {
+        "shadow.top1_agreement": float(np.mean([a[0] == b[0] for a, b in zip(mine, served, strict=True)])),
+        "shadow.rank_correlation": float(
+            np.mean([_kendall(a, b) for a, b in zip(mine, served, strict=True)])
+        ),
+        "shadow.unforced_rate": float(np.mean([bool(a["unforced"]) for a in answers])),
+        "shadow.valid_rate": float(np.mean([bool(a["valid"]) for a in answers])),
+        "shadow.champion.valid_rate": float(rows["valid"].astype(bool).mean()),
+        "shadow.champion.logged_latency_ms.p50": float(rows["latency_ms"].median()),
+    }
+
+
+def _agreement_checks(
+    champion: VersionRef, n: int, numbers: dict[str, Any], gate: GateConfig, config: ShadowConfig
+) -> list[Check]:
+    """The evidence, top-1, rank-correlation and own-valid-rate checks on the replayed traffic."""
+    top1, tau = numbers["shadow.top1_agreement"], numbers["shadow.rank_correlation"]
+    own = numbers["shadow.unforced_rate"]
+    return [
+        at_least(
+            "shadow.requests",
+            n,
+            config.min_requests,
+            f"logged requests of {champion.name} v{champion.version} replayed",
+        ),
+        at_least("shadow.top1_agreement", top1, config.min_top1_agreement, "same top-1 as the served answer"),
+        at_least(
+            "shadow.rank_correlation", tau, config.min_rank_correlation, "mean Kendall tau to the served"
+        ),
+        at_least(
+            "shadow.unforced_rate", own, gate.policy.min_unforced_rate, "own valid rate on logged traffic"
+        ),
+    ]
+
+
 def evaluate(
     challenger: Ranker,
     champion: VersionRef | None,
@@ -186,49 +240,15 @@ def evaluate(
     nexts = next_interactions(rows, delivered)
     fed = sum(t is not None for t in nexts)
     report: dict[str, Any] = {"champion": asdict(champion), "requests": n}
-    counts = {
-        "shadow.requests": float(n),
-        "shadow.feedback_requests": float(fed),
-        "shadow.next_in_candidates": float(
-            sum(
-                t is not None and t in list(c)
-                for t, c in zip(nexts, rows.get("candidates", []), strict=False)
-            )
-        ),
-    }
+    counts = _evidence_counts(rows, nexts)
     if n < config.min_requests:  # nothing is judged on too little traffic: one check says why
         check = _no_traffic(champion, logged, n, fed, len(delivered), config)
         return report | {"checks": [check], "numbers": counts}
     records = rows.to_dict("records")
     answers = _answers(challenger, records)
-    served = [list(r) for r in rows["ranking"]]
     mine = [a["ranking"] for a in answers]
-    top1 = float(np.mean([a[0] == b[0] for a, b in zip(mine, served, strict=True)]))
-    tau = float(np.mean([_kendall(a, b) for a, b in zip(mine, served, strict=True)]))
-    own = float(np.mean([bool(a["unforced"]) for a in answers]))
-    numbers: dict[str, Any] = counts | {
-        "shadow.top1_agreement": top1,
-        "shadow.rank_correlation": tau,
-        "shadow.unforced_rate": own,
-        "shadow.valid_rate": float(np.mean([bool(a["valid"]) for a in answers])),
-        "shadow.champion.valid_rate": float(rows["valid"].astype(bool).mean()),
-        "shadow.champion.logged_latency_ms.p50": float(rows["latency_ms"].median()),
-    }
-    checks = [
-        at_least(
-            "shadow.requests",
-            n,
-            config.min_requests,
-            f"logged requests of {champion.name} v{champion.version} replayed",
-        ),
-        at_least("shadow.top1_agreement", top1, config.min_top1_agreement, "same top-1 as the served answer"),
-        at_least(
-            "shadow.rank_correlation", tau, config.min_rank_correlation, "mean Kendall tau to the served"
-        ),
-        at_least(
-            "shadow.unforced_rate", own, gate.policy.min_unforced_rate, "own valid rate on logged traffic"
-        ),
-    ]
+    numbers: dict[str, Any] = counts | _agreement_numbers(rows, answers)
+    checks = _agreement_checks(champion, n, numbers, gate, config)
     latency = _latency_check(challenger, champ, records, config, gate, numbers)
     if isinstance(champ, PrerankRanker):  # no decoder to be slower than: the figures are reported only
         report["latency"] = f"not checked: the champion is the pre-rank ({latency.detail})"
