@@ -161,13 +161,7 @@ def cft_noise(
     position is supervised with the token the decode finally wrote there, so positions it committed
     only in a later forward learn to be written in this one. Not complementary, as `suffix`.
     """
-    if pattern not in NOISE_PATTERNS:
-        raise ValueError(f"CFT noise pattern must be one of {NOISE_PATTERNS}, got {pattern!r}")
-    if (pattern == "trajectory") != (commit_steps is not None):
-        raise ValueError("commit_steps are needed by, and only by, the trajectory pattern")
-    b, r = response_ids.shape
-    if r % block_size:
-        raise ValueError(f"response length {r} is not a multiple of block size {block_size}")
+    b, r = _check_cft_args(response_ids, block_size, pattern, commit_steps)
     device = response_ids.device
     # Drawn where the generator lives, then moved: the same seed gives the same noise on any device.
     draw = generator.device if generator is not None else device
@@ -177,19 +171,59 @@ def cft_noise(
     real = (response_ids != mask_token_id) & (roles != PADDING)
     block_first = (torch.arange(r, device=device) % block_size == 0).unsqueeze(0)  # [1, r]
     maskable = real if block_size > 1 else torch.zeros_like(real)  # block size 1: the AR loss
+    # after t and u: a second view's levels are the third draw, so a seed gives the same masks
+    masked_a, masked_b = _view_masks(pattern, maskable, t, u < p, block_size, commit_steps, generator, draw)
+    return _noised_views(response_ids, mask_token_id, masked_a, masked_b, real, block_first)
+
+
+def _check_cft_args(
+    response_ids: torch.Tensor, block_size: int, pattern: str, commit_steps: torch.Tensor | None
+) -> tuple[int, int]:
+    """(b, r) of `response_ids`; refuses an unknown pattern, misplaced commit steps, a ragged last block."""
+    if pattern not in NOISE_PATTERNS:
+        raise ValueError(f"CFT noise pattern must be one of {NOISE_PATTERNS}, got {pattern!r}")
+    if (pattern == "trajectory") != (commit_steps is not None):
+        raise ValueError("commit_steps are needed by, and only by, the trajectory pattern")
+    b, r = response_ids.shape
+    if r % block_size:
+        raise ValueError(f"response length {r} is not a multiple of block size {block_size}")
+    return b, r
+
+
+def _view_masks(
+    pattern: str,
+    maskable: torch.Tensor,
+    t: torch.Tensor,
+    drawn_a: torch.Tensor,
+    block_size: int,
+    commit_steps: torch.Tensor | None,
+    generator: torch.Generator | None,
+    draw: torch.device | str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """[b, r] bool masked positions of views a and b under `pattern` (`drawn_a`: u < p, complementary)."""
     if pattern == "complementary":
-        masked_a = maskable & (u < p)
-        masked_b = maskable & ~masked_a
-    else:  # one draw per view
-        t_b = torch.rand(b, r // block_size, generator=generator, device=draw).to(device)
-        if pattern == "suffix":
-            in_block = torch.arange(r, device=device) % block_size  # [r]
-            starts = [(tt * block_size).long().repeat_interleave(block_size, dim=1) for tt in (t, t_b)]
-            masked_a, masked_b = (maskable & (in_block >= start) for start in starts)
-        else:
-            masked_a, masked_b = (
-                maskable & _trajectory_masked(commit_steps, tt, block_size) for tt in (t, t_b)
-            )
+        masked_a = maskable & drawn_a
+        return masked_a, maskable & ~masked_a
+    b, r = maskable.shape  # one draw per view
+    t_b = torch.rand(b, r // block_size, generator=generator, device=draw).to(maskable.device)
+    if pattern == "suffix":
+        in_block = torch.arange(r, device=maskable.device) % block_size  # [r]
+        starts = [(tt * block_size).long().repeat_interleave(block_size, dim=1) for tt in (t, t_b)]
+        masked_a, masked_b = (maskable & (in_block >= start) for start in starts)
+        return masked_a, masked_b
+    masked_a, masked_b = (maskable & _trajectory_masked(commit_steps, tt, block_size) for tt in (t, t_b))
+    return masked_a, masked_b
+
+
+def _noised_views(
+    response_ids: torch.Tensor,
+    mask_token_id: int,
+    masked_a: torch.Tensor,
+    masked_b: torch.Tensor,
+    real: torch.Tensor,
+    block_first: torch.Tensor,
+) -> CFTNoise:
+    """Both views with their masked positions set to the mask token, and what each supervises."""
     mask_id = torch.full_like(response_ids, mask_token_id)
     return CFTNoise(
         noisy_a=torch.where(masked_a, mask_id, response_ids),
