@@ -46,14 +46,7 @@ def carry_over_sids(
         raise ValueError("items: item_id must be 0..I-1 (the ids data_prep assigns)")
     if len(vectors) != len(items):
         raise ValueError(f"{len(vectors)} item vectors for {len(items)} items")
-    raw_of = dict(zip(champion_items["item_id"], champion_items["raw_item_id"].astype(str), strict=True))
-    old = {
-        raw_of[int(i)]: tuple(int(c) for c in codes)
-        for i, codes in zip(champion_sids["item_id"], champion_sids["codes"], strict=True)
-    }
-    levels = {len(c) for c in old.values()}
-    if levels != {4}:
-        raise ValueError(f"champion SIDs must have 4 codes each, found lengths {sorted(levels)}")
+    old = _champion_codes(champion_items, champion_sids)
     collision_codes = max(c[3] for c in old.values()) + 1  # <d_0> .. <d_n-1> are in its vocabulary
 
     raw = items["raw_item_id"].astype(str).to_numpy()
@@ -81,19 +74,38 @@ def carry_over_sids(
                 f"item {raw[i]}: every known SID group is full under the champion's {collision_codes} "
                 "collision codes; retrain cold (retrain.warm_start.enabled: false)"
             )
-    dropped = len(set(old) - set(raw))
+    return CarriedSids(codes, _report(codes, known, len(set(old) - set(raw)), collision_codes))
+
+
+def _champion_codes(champion_items: pd.DataFrame, champion_sids: pd.DataFrame) -> dict[str, tuple[int, ...]]:
+    """The champion's four codes by raw item id; refuses SIDs of any other length."""
+    raw_of = dict(zip(champion_items["item_id"], champion_items["raw_item_id"].astype(str), strict=True))
+    old = {
+        raw_of[int(i)]: tuple(int(c) for c in codes)
+        for i, codes in zip(champion_sids["item_id"], champion_sids["codes"], strict=True)
+    }
+    levels = {len(c) for c in old.values()}
+    if levels != {4}:
+        raise ValueError(f"champion SIDs must have 4 codes each, found lengths {sorted(levels)}")
+    return old
+
+
+def _report(
+    codes: np.ndarray, known: np.ndarray, dropped: int, collision_codes: int
+) -> dict[str, float | int | str]:
+    """What was kept and placed, in the fields of `fit_semantic_ids`' report."""
     distinct3 = len(np.unique(codes[:, :3], axis=0))
-    report = {
+    n = len(codes)
+    return {
         # the fields of `fit_semantic_ids`' report, so readers of sid_report.json need no second form
         "levels": 4,
         "codebook_sizes": [int(codes[:, level].max()) + 1 for level in range(4)],
-        "uniqueness_3": distinct3 / len(items),
+        "uniqueness_3": distinct3 / n,
         "uniqueness_4": uniqueness(codes),
-        "collisions_3": len(items) - distinct3,
+        "collisions_3": n - distinct3,
         "sid_source": "champion",
         "carried": int(known.sum()),
         "placed_new": int((~known).sum()),
         "dropped": dropped,  # champion items no longer in the catalogue (their SIDs stay reserved)
         "collision_codes": collision_codes,
     }
-    return CarriedSids(codes, report)
