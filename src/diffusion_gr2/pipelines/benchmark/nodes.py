@@ -10,25 +10,22 @@ import pandas as pd
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
-from diffusion_gr2.core.bench.benchmark import BenchmarkConfig, benchmark_requests
+from diffusion_gr2.core.bench.benchmark import BENCHMARK_KEYS, BenchmarkConfig, benchmark_requests
 from diffusion_gr2.core.evaluate.plots import speedup_by_batch_figure, speedup_by_length_figure
 from diffusion_gr2.core.evaluate.rankings import system_key
 from diffusion_gr2.core.rank.rerank import RerankConfig
 from diffusion_gr2.core.tracking.mlflow_utils import as_metrics_history
 
-MEASURED = (
-    "output_tokens_per_s",
-    "nfe_per_sample",
-    "tokens_per_forward",
-    "latency_p50_ms",
-    "latency_p95_ms",
-    "speedup_vs_ar",
-    "speedup_vs_ar_low",
-    "speedup_vs_ar_high",
-    "speedup_vs_best_ar",
-    "speedup_vs_best_ar_low",
-    "speedup_vs_best_ar_high",
-)  # what each row logs to MLflow (tokens/s and speed-ups: the harness statistic, row["statistic"])
+# What each row logs to MLflow: the row's keys (`BENCHMARK_KEYS`, the one list) less its setting (the
+# metric's name says it), what is not a number, and the mean output length (a property of the requests,
+# not of the decoder's speed). Tokens/s and speed-ups: the harness statistic, row["statistic"].
+NOT_LOGGED = frozenset(
+    {
+        *("system", "tau", "window", "operating_point", "batch_size", "constrained", "backend"),
+        *("device", "best_ar", "statistic", "tokens_per_s_by_round", "mean_output_tokens"),
+    }
+)
+MEASURED = tuple(k for k in BENCHMARK_KEYS if k not in NOT_LOGGED)
 
 
 def _cores() -> int:
