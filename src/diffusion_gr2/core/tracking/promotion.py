@@ -61,6 +61,51 @@ def _champion(name: str, new: str | None, client: MlflowClient) -> registry.Vers
     return ref if ref is not None and ref.version != new else None
 
 
+def _gate_diffusion(
+    rankers: Mapping[str, Ranker],
+    scores: Mapping[str, dict[str, Any]],
+    same: pd.DataFrame,
+    prerank: dict[str, Any],
+    config: GateConfig,
+    users: list[Any] | None,
+    shadow: Callable[[Ranker], dict[str, Any]] | None,
+) -> dict[str, Any]:
+    """The diffusion challenger's gate: its scores with the timed speeds, and the shadow replay if any."""
+    # the champion is timed only where there is one
+    timed = {"challenger": "diffusion", "teacher": "teacher"} | (
+        {"champion": "diffusion_champion"} if "diffusion_champion" in rankers else {}
+    )
+    rates = speeds({role: rankers[key] for role, key in timed.items()}, same, config)
+    sides = {role: scores[key] | {"output_tokens_per_s": rates[role]} for role, key in timed.items()}
+    replay = shadow(rankers["diffusion"]) if shadow is not None else None
+    return decide(
+        sides["challenger"], sides.get("champion"), sides["teacher"], prerank, config, users, replay
+    )
+
+
+def _fall_back_to_prerank(prerank_version: Any, client: MlflowClient) -> registry.Served:
+    """Promote the pre-rank when no re-ranker has a champion; what serves now."""
+    names = registry.RERANKER_MODELS
+    reranker_serves = any(registry.alias_version(n, registry.CHAMPION, client) for n in names.values())
+    if not reranker_serves and prerank_version is not None:
+        reason = "no re-ranker has passed the gate: the retriever's order serves"
+        registry.promote(registry.PRERANK_MODEL, prerank_version, reason, client)
+    return registry.served_champion(client)
+
+
+def _log_decisions(
+    report: dict[str, Any], teacher_report: dict[str, Any], new: Mapping[str, Any], served: registry.Served
+) -> None:
+    """Each refusal's reasons as a warning, then one line: both decisions and what serves."""
+    names = registry.RERANKER_MODELS
+    for side, gated in (("diffusion", report), ("teacher", teacher_report)):
+        if gated["decision"] == "refuse":  # the console's reason (gate.json has every figure)
+            logger.warning("gate refused %s v%s: %s", names[side], new[side], gated["reasons"])
+    logger.info(
+        "gate: diffusion %s, teacher %s; %s", report["decision"], teacher_report["decision"], served.line()
+    )
+
+
 def gate_and_promote(
     versions: Mapping[str, Any],
     requests: pd.DataFrame,
@@ -99,15 +144,7 @@ def gate_and_promote(
     if new["diffusion"] is None:
         report = _not_registered(versions.get("not_registered") or "the diffusion model is not registered")
     else:
-        timed = {"challenger": "diffusion", "teacher": "teacher"} | (
-            {"champion": "diffusion_champion"} if "diffusion_champion" in rankers else {}
-        )
-        rates = speeds({role: rankers[key] for role, key in timed.items()}, same, config)
-        sides = {role: scores[key] | {"output_tokens_per_s": rates[role]} for role, key in timed.items()}
-        replay = shadow(rankers["diffusion"]) if shadow is not None else None
-        report = decide(
-            sides["challenger"], sides.get("champion"), sides["teacher"], prerank, config, users, replay
-        )
+        report = _gate_diffusion(rankers, scores, same, prerank, config, users, shadow)
         _tag(client, names["diffusion"], new["diffusion"], report)
         if report["decision"] == "promote":
             registry.promote(names["diffusion"], new["diffusion"], report["reasons"], client)
@@ -115,17 +152,8 @@ def gate_and_promote(
     if teacher_report["decision"] == "promote":
         teacher_reason = f"teacher gate: {teacher_report['reasons']}"
         registry.promote(names["teacher"], new["teacher"], teacher_reason, client)
-    reranker_serves = any(registry.alias_version(n, registry.CHAMPION, client) for n in names.values())
-    if not reranker_serves and versions.get("prerank") is not None:
-        reason = "no re-ranker has passed the gate: the retriever's order serves"
-        registry.promote(registry.PRERANK_MODEL, versions["prerank"], reason, client)
-    served = registry.served_champion(client)
-    for side, gated in (("diffusion", report), ("teacher", teacher_report)):
-        if gated["decision"] == "refuse":  # the console's reason (gate.json has every figure)
-            logger.warning("gate refused %s v%s: %s", names[side], new[side], gated["reasons"])
-    logger.info(
-        "gate: diffusion %s, teacher %s; %s", report["decision"], teacher_report["decision"], served.line()
-    )
+    served = _fall_back_to_prerank(versions.get("prerank"), client)
+    _log_decisions(report, teacher_report, new, served)
     return report | {
         "challenger_version": new["diffusion"],
         "teacher_version": new["teacher"],
