@@ -142,6 +142,30 @@ def choose_operating_point(
     return {SERVED_DIFFUSION: found.point}
 
 
+def _shown_evidence(
+    evidence: dict[str, Any] | None, splits: pd.DataFrame | None
+) -> tuple[dict[str, Any] | None, pd.DataFrame | None]:
+    """The evidence spec the prompts show (None: none) and the training sequences it is counted on."""
+    shown = evidence if evidence and evidence.get("in_prompt") else None
+    if shown is not None and splits is None:
+        raise ValueError(
+            "register_models: the prompts show evidence, so the training sequences (splits) are needed"
+        )
+    sequences = splits[["user_id", "train_items"]] if shown is not None and splits is not None else None
+    return shown, sequences
+
+
+def _lineage_tags(system: str, folder: Path, digests: DigestCache, run: Any, source: str) -> dict[str, str]:
+    """The version tags saying which saved model, of which run, at which operating point."""
+    return {
+        "lineage.model.name": f"model_{system}",
+        "lineage.model.path": str(folder),
+        "lineage.model.digest": digests.digest(folder) or "",
+        "lineage.model.run_id": run.info.run_id if run else "",
+        "operating_point.source": source[:5000],
+    }
+
+
 def register_models(
     model_diffusion: Any,
     model_ar_rl: Any,
@@ -167,12 +191,7 @@ def register_models(
     version carries its spec and the training sequences it is counted on, so it serves the prompts
     it was trained on.
     """
-    shown = evidence if evidence and evidence.get("in_prompt") else None
-    if shown is not None and splits is None:
-        raise ValueError(
-            "register_models: the prompts show evidence, so the training sequences (splits) are needed"
-        )
-    sequences = splits[["user_id", "train_items"]] if shown is not None and splits is not None else None
+    shown, sequences = _shown_evidence(evidence, splits)
     register = RegisterConfig(**params["register"])
     digests, run = DigestCache(), mlflow.active_run()
     refs: dict[str, str | None] = {"diffusion": None}
@@ -189,13 +208,7 @@ def register_models(
             logger.warning("%s", not_registered)
             continue
         folder = Path(register.model_dirs[role])
-        tags = {
-            "lineage.model.name": f"model_{system}",
-            "lineage.model.path": str(folder),
-            "lineage.model.digest": digests.digest(folder) or "",
-            "lineage.model.run_id": run.info.run_id if run else "",
-            "operating_point.source": source[:5000],
-        }
+        tags = _lineage_tags(system, folder, digests, run, source)
         if role == "diffusion":
             tags["teacher_version"] = refs["teacher"]
         name = registry.RERANKER_MODELS[role]
