@@ -79,11 +79,14 @@ def test_sweep_cap_applies_to_the_sweep_rows_only(world) -> None:
     swept = make_rerank_node("cft")(diffusion, requests, tokenizer, params, policy, ar, ar_model)
     assert served["operating_point"]["tau"] == 0.5 and swept["operating_point"] is None
     floor = rerank_prerank(requests, params)
-    assert _n_by_pass(floor) == _n_by_pass(ar) == {("valid", None): N_USERS, ("test", None): N_USERS}
+    assert ar["operating_point"] is None  # one shape for every system: an AR system chooses none
+    assert (
+        _n_by_pass(floor) == _n_by_pass(ar["rankings"]) == {("valid", None): N_USERS, ("test", None): N_USERS}
+    )
     # ar_sft is not the reference the headline pairs with: capped like the sweep on test, and not in
     # valid_sweep: no validation rows
     sft = make_rerank_node("ar_sft")(tiny_model_for(tokenizer), requests, tokenizer, params, policy)
-    assert _n_by_pass(sft) == {("test", None): CAP}
+    assert _n_by_pass(sft["rankings"]) == {("test", None): CAP}
     opd = make_rerank_node("opd")(diffusion, requests, tokenizer, params, policy, ar, ar_model)
     assert _n_by_pass(opd["rankings"]) == {("test", 0.9): CAP, ("test", 0.5): CAP}
     # rl: its candidate (tau 0.5) on every validation request, paired with ar_rl's; on test tau 0.9

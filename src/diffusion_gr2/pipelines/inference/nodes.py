@@ -94,13 +94,14 @@ def _sweep(params: dict[str, Any], system: str) -> list[TauWindow]:
     return [(float(t), None) for t in taus]
 
 
-def make_rerank_node(system: str) -> Callable[..., pd.DataFrame | dict[str, Any]]:
+def make_rerank_node(system: str) -> Callable[..., dict[str, Any]]:
     """The node function of one model system (named `rerank_<system>` for the DAG and the logs).
 
-    An AR system's node returns its rankings frame; a diffusion system's a dict of its rankings and
-    its operating point (None when it is not chosen for that system), with `policy` the serving
-    policy (`params:policy`), `reference` the rankings of `operating_point.reference` (`ar_rl`) and
-    `reference_model` its model (timed beside the candidates).
+    Every system's node returns one shape: a dict of its ``rankings`` frame and its
+    ``operating_point`` (None for an AR system, and for a diffusion system that does not choose one),
+    with `policy` the serving policy (`params:policy`), `reference` the node output of
+    `operating_point.reference` (`ar_rl`: its rankings are read) and `reference_model` its model
+    (timed beside the candidates).
     """
 
     def rerank_model(
@@ -109,9 +110,9 @@ def make_rerank_node(system: str) -> Callable[..., pd.DataFrame | dict[str, Any]
         tokenizer: PreTrainedTokenizerFast,
         params: dict[str, Any],
         policy: dict[str, Any],
-        reference: pd.DataFrame | None = None,
+        reference: dict[str, Any] | None = None,
         reference_model: PreTrainedModel | None = None,
-    ) -> pd.DataFrame | dict[str, Any]:
+    ) -> dict[str, Any]:
         decoding = RerankConfig(**params["decoding"])
         config = OperatingPointConfig.from_params(params["operating_point"], Policy.from_params(policy))
         model = prepare_model(model, decoding.device)
@@ -119,7 +120,8 @@ def make_rerank_node(system: str) -> Callable[..., pd.DataFrame | dict[str, Any]
         if "valid" in params["splits"]:
             valid = _split_requests(requests, params, "valid")
             if config.chooses(system):
-                reference_of = Reference(reference, reference_model)
+                reference_rows = reference["rankings"] if reference is not None else None
+                reference_of = Reference(reference_rows, reference_model)
                 timer = candidate_timer(config)  # the benchmark's harness times the admitted
                 found = search_operating_point(
                     model, tokenizer, system, valid, reference_of, decoding, config, timer
@@ -142,9 +144,7 @@ def make_rerank_node(system: str) -> Callable[..., pd.DataFrame | dict[str, Any]
         rankings = (
             pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=list(RANKING_COLUMNS))
         )
-        return (
-            rankings if system in AR_SYSTEMS else {"rankings": rankings, "operating_point": operating_point}
-        )
+        return {"rankings": rankings, "operating_point": operating_point}
 
     rerank_model.__name__ = rerank_model.__qualname__ = f"rerank_{system}"
     rerank_model.__doc__ = f"Re-rank the validation and test requests with `{system}`."
@@ -152,7 +152,10 @@ def make_rerank_node(system: str) -> Callable[..., pd.DataFrame | dict[str, Any]
 
 
 def combine_rankings(*results: pd.DataFrame | dict[str, Any]) -> dict[str, Any]:
-    """All systems' rows in one frame, the operating points, and per-variant decoding figures for MLflow."""
+    """All systems' rows in one frame, the operating points, and per-variant decoding figures for MLflow.
+
+    `results`: the pre-rank's frame (`rerank_prerank`) and each model system's node output (a dict,
+    `make_rerank_node`)."""
     frames, operating_points = [], {}
     for result in results:
         if isinstance(result, dict):

@@ -22,8 +22,8 @@ REFERENCE = "ar_rl"  # operating points are chosen against this system's validat
 
 
 def _output(system: str) -> str:
-    """AR systems (and the pre-rank) give a rankings frame; diffusion systems rankings + operating point."""
-    return f"rankings_{system}" if system == "prerank" or system in AR_SYSTEMS else f"reranked_{system}"
+    """The pre-rank gives a rankings frame; every model system its rankings and operating point."""
+    return "rankings_prerank" if system == "prerank" else f"reranked_{system}"
 
 
 def _system_node(system: str, systems: Sequence[str]) -> Node:
@@ -31,7 +31,7 @@ def _system_node(system: str, systems: Sequence[str]) -> Node:
         return Node(rerank_prerank, ["requests", "params:inference"], _output(system), name="rerank_prerank")
     inputs = [f"model_{system}", "requests", "tokenizer", "params:inference", "params:policy"]
     if system not in AR_SYSTEMS and REFERENCE in systems:  # its rankings and its model (timed beside)
-        inputs += [f"rankings_{REFERENCE}", f"model_{REFERENCE}"]
+        inputs += [_output(REFERENCE), f"model_{REFERENCE}"]
     return Node(make_rerank_node(system), inputs=inputs, outputs=_output(system), name=f"rerank_{system}")
 
 
