@@ -8,6 +8,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from diffusion_gr2.core.data.raw import RAW_EXCERPT_CHARS, Rejects
 from diffusion_gr2.core.data.schemas import (
     SchemaValidationError,
     interactions_schema,
@@ -177,3 +178,14 @@ def test_rejects_schema() -> None:
     assert "column 'line'" in _error(
         good.assign(line=np.array([0], dtype=np.int64)), rejects_schema(), "rejects"
     )
+
+
+def test_rejects_schema_accepts_what_the_readers_reject() -> None:
+    """The frame `Rejects` builds (data_prep writes it after validating): none, a line cut to the excerpt
+    length, an undecodable one, an empty one, all pass."""
+    rejects = Rejects()
+    validate(rejects.frame(), rejects_schema(), "rejects")
+    rejects.add(Path("reviews.json.gz"), 3, "bad_text:title", "\U0001f600" * (RAW_EXCERPT_CHARS + 100))
+    rejects.add("meta.json", 1, "bad_encoding", b"\xff\xfe".decode("utf-8", "replace"))
+    rejects.add("meta.json", 2, "malformed_record:ValueError", "")
+    assert len(validate(rejects.frame(), rejects_schema(), "rejects")) == 3

@@ -15,7 +15,7 @@ import numpy as np
 import pandas as pd
 import pandera.pandas as pa
 
-from diffusion_gr2.core.data.raw import MAX_TIMESTAMP_S
+from diffusion_gr2.core.data.raw import MAX_TIMESTAMP_S, RAW_EXCERPT_CHARS
 from diffusion_gr2.core.text.prompt import split_sid
 
 __all__ = [
@@ -246,7 +246,7 @@ def rejects_schema() -> pa.DataFrameSchema:
             "file": pa.Column(str),
             "line": pa.Column("int64", pa.Check.ge(1)),
             "reason": pa.Column(str, pa.Check.str_length(min_value=1)),
-            "raw": pa.Column(str, pa.Check.str_length(max_value=500)),
+            "raw": pa.Column(str, pa.Check.str_length(max_value=RAW_EXCERPT_CHARS)),  # `Rejects.add` cuts
         },
         strict=True,
         name="rejects",

@@ -11,13 +11,15 @@ from diffusion_gr2.core.data import expectations
 from diffusion_gr2.core.data.prepare import PrepConfig, prepare
 from diffusion_gr2.core.data.raw import ReadConfig
 from diffusion_gr2.core.data.readers import read_dataset
+from diffusion_gr2.core.data.schemas import rejects_schema, validate
 from diffusion_gr2.core.tracking.mlflow_utils import as_metrics_history
 
 
 def prepare_dataset(params: dict[str, Any]) -> dict[str, Any]:
     """Read the configured dataset, set bad rows aside, k-core, remap and split it.
 
-    `prepare` validates every output against its schema (repeated pairs allowed when ``dedup`` is off).
+    `prepare` validates every output against its schema (repeated pairs allowed when ``dedup`` is off);
+    the rejects are validated here, against `rejects_schema`.
     """
     raw = read_dataset(
         params["dataset"],
@@ -29,7 +31,7 @@ def prepare_dataset(params: dict[str, Any]) -> dict[str, Any]:
         "interactions": prepared.interactions,
         "items": prepared.items,
         "splits": prepared.splits,
-        "rejects": raw.rejects,
+        "rejects": validate(raw.rejects, rejects_schema(), "rejects"),
         "data_stats": prepared.stats,
         "data_prep_metrics": as_metrics_history(prepared.stats),
     }
