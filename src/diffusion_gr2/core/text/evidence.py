@@ -36,9 +36,10 @@ _YEAR = re.compile(r"(?:release_year|year)\s*:\s*(\d{4})")
 class EvidenceConfig:
     """What the evidence counts and how finely the prompt shows it (conf: `traces.evidence`)."""
 
-    # True: each candidate's line ends with its levels and the learned analyst writes the traces.
-    # False: the prompt shows titles and categories only (the served path reads no evidence yet), and
-    # the evidence still gives the learned analyst's ceiling in the trace report.
+    # True: each candidate's line ends with its levels and the learned analyst writes the traces (a
+    # registered version then carries the evidence, so it serves the same prompts). False: the prompt
+    # shows titles and categories only, and the evidence still gives the learned analyst's ceiling
+    # in the trace report.
     in_prompt: bool = False
     levels: int = 5  # each signal as a digit 0..levels-1
     recent: int = 3  # `after` counts the followers of the user's last `recent` items

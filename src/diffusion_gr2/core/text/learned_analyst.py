@@ -28,7 +28,8 @@ class LearnedAnalystConfig:
 
     cs: tuple[float, ...] = (0.01, 0.1, 1.0)  # inverse regularisation strengths tried on validation
     temperature: float = 1.0  # Gumbel noise on the logits: 1 samples from the ranker's own softmax
-    tail: str = "score"  # order after the pick: "score" (its own), "prerank" or "noisy" (AnalystConfig)
+    # order after the pick: "prerank" (the retriever's), "score" (its own) or "noisy" (AnalystConfig)
+    tail: str = "prerank"
     recency_decay: float = 0.8  # of the trace's history summary (as the rule-based analyst's)
 
     def __post_init__(self) -> None:
