@@ -93,16 +93,23 @@ class LearnedAnalyst:
         ), ranking
 
 
-def _rows(evidence: Evidence, examples: Sequence[RerankExample]) -> tuple[np.ndarray, np.ndarray]:
+def _designs(evidence: Evidence, examples: Sequence[RerankExample]) -> list[np.ndarray]:
+    """Per request, its candidates' design rows (`design`): counted once, scored by every C."""
     n_levels = evidence.table.config.levels
-    x = [design(evidence.levels(e.user_id, e.history, e.candidates), n_levels) for e in examples]
-    y = [c == e.target for e in examples for c in e.candidates]
-    return np.vstack(x), np.asarray(y)
+    return [design(evidence.levels(e.user_id, e.history, e.candidates), n_levels) for e in examples]
+
+
+def _hits(
+    ranker: LogisticRegression, designs: Sequence[np.ndarray], examples: Sequence[RerankExample]
+) -> np.ndarray:
+    """[r] 1.0 where the ranker's noiseless first pick is the request's target."""
+    picks = [int(np.argmax(ranker.decision_function(x))) for x in designs]
+    return np.array([float(e.candidates[k] == e.target) for k, e in zip(picks, examples, strict=True)])
 
 
 def top_hits(analyst: LearnedAnalyst, examples: Sequence[RerankExample]) -> np.ndarray:
     """[r] 1.0 where the analyst's noiseless first pick is the request's target."""
-    return np.array([float(e.candidates[int(np.argmax(analyst.scores(e)))] == e.target) for e in examples])
+    return _hits(analyst.ranker, _designs(analyst.evidence, examples), examples)
 
 
 def fit_learned_analyst(
@@ -119,13 +126,15 @@ def fit_learned_analyst(
     valid = [e for e in valid if e.target in e.candidates]
     if not train:
         raise ValueError("the learned analyst needs training requests whose target is a candidate")
-    x, y = _rows(evidence, train)
+    x = np.vstack(_designs(evidence, train))
+    y = np.asarray([c == e.target for e in train for c in e.candidates])
+    valid_designs = _designs(evidence, valid)
     by_c: dict[float, float] = {}
     best: LearnedAnalyst | None = None
     for c in sorted(config.cs):
         ranker = LogisticRegression(C=c, max_iter=2000).fit(x, y)
         analyst = LearnedAnalyst(evidence, lookup, ranker, config, prompt_config)
-        by_c[c] = float(top_hits(analyst, valid).mean()) if valid else float("nan")
+        by_c[c] = float(_hits(ranker, valid_designs, valid).mean()) if valid else float("nan")
         if best is None or by_c[c] > by_c[best.ranker.C]:
             best = analyst
     assert best is not None
