@@ -6,6 +6,7 @@ Kedro's stock datasets write in place; a crash mid-write would leave a truncated
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -144,3 +145,84 @@ class ReportRunsDataset(AbstractDataset[None, Any]):
 
     def save(self, data: Any) -> None:
         raise DatasetError("ReportRunsDataset is read-only: the reports it reads carry their own manifests")
+
+
+class RequestFilesDataset(AbstractDataset[None, Any]):
+    """Read-only: the request files of a folder for batch re-ranking (`.json`, `.jsonl`, `.parquet`),
+    loaded as a stream (`core/tracking/batch.py::RequestFiles`), never whole."""
+
+    def __init__(self, path: str, metadata: dict[str, Any] | None = None) -> None:
+        self._path = PurePosixPath(path)
+        self.metadata = metadata
+
+    def _describe(self) -> dict[str, Any]:
+        return {"path": str(self._path)}
+
+    def load(self) -> Any:
+        from diffusion_gr2.core.tracking.batch import FORMATS, RequestFiles
+
+        files = RequestFiles(Path(self._path))
+        if not files.paths:
+            raise DatasetError(
+                f"no request file in {self._path}: put the requests there as {', '.join(FORMATS)} files"
+            )
+        return files
+
+    def save(self, data: Any) -> None:
+        raise DatasetError("RequestFilesDataset is read-only: request files are delivered, not written")
+
+
+class AnswerChunksDataset(AbstractDataset[Any, dict[str, Any]]):
+    """Batch answers as one Parquet file per chunk in `path` (``part-000000.parquet``, ...), each
+    written whole (a temp file renamed), beside ``_job.json`` (the job's key, and whether it is
+    complete). `pandas.read_parquet(path)` reads them as one frame.
+
+    Saving a `core/tracking/batch.py::BatchJob` answers it chunk by chunk: with the key of the
+    published chunks it resumes after them; another key deletes them first. Loading gives Kedro's
+    partitioned form (chunk name -> a function that loads it), for a complete job only: a batch
+    that was stopped is resumed, never read.
+    """
+
+    JOB = "_job.json"
+
+    def __init__(self, path: str, metadata: dict[str, Any] | None = None) -> None:
+        self._path = PurePosixPath(path)
+        self.metadata = metadata
+
+    @property
+    def path(self) -> Path:
+        return Path(self._path)
+
+    def _describe(self) -> dict[str, Any]:
+        return {"path": str(self._path)}
+
+    def _job(self) -> dict[str, Any] | None:
+        meta = self.path / self.JOB
+        return json.loads(meta.read_text()) if meta.exists() else None
+
+    def _parts(self) -> dict[int, Path]:
+        return {int(p.stem.removeprefix("part-")): p for p in self.path.glob("part-*.parquet")}
+
+    def _exists(self) -> bool:
+        job = self._job()
+        return bool(job and job.get("complete"))
+
+    def load(self) -> dict[str, Any]:
+        job = self._job()
+        if not job or not job.get("complete"):
+            state = "holds no batch" if job is None else "holds a batch that did not finish"
+            raise DatasetError(f"{self.path} {state}: run the rerank pipeline (again, to resume it)")
+        return {p.stem: functools.partial(pd.read_parquet, p) for _, p in sorted(self._parts().items())}
+
+    def save(self, data: Any) -> None:
+        job, parts = self._job(), self._parts()
+        if job is not None and job.get("key") == data.key:
+            done = set(parts)
+        else:  # another model, input or chunking: start afresh
+            for part in parts.values():
+                part.unlink()
+            done = set()
+        atomic_write_json(self.path / self.JOB, {"key": data.key, "complete": False})
+        for index, frame in data.answer(done):
+            atomic_write_parquet(frame, self.path / f"part-{index:06d}.parquet")
+        atomic_write_json(self.path / self.JOB, {"key": data.key, "complete": True})

@@ -10,7 +10,9 @@
 * every other node (data preparation, retrieval, traces, conversion, inference, evaluation,
   registration) runs on rank 0 only. The other ranks wait for it, then read its outputs from the
   catalog (files rank 0 has written) when an ``all_ranks`` node needs them; an in-memory output is
-  sent to them instead. Once no ``all_ranks`` node is left, they are done. A launch runs what training
+  sent to them instead. An output that is computed as rank 0 saves it (a batch re-rank job, which
+  has a ``drain`` method) is drained on the other ranks: they compute their share and keep nothing.
+  Once no ``all_ranks`` node is left, they are done. A launch runs what training
   needs first and the rest (evaluating each stage, reports, registration) after the last training node
   (:func:`launch_order`), so no GPU idles while rank 0 evaluates.
 
@@ -172,7 +174,11 @@ class RankAwareRunner(SequentialRunner):
                 local.update(message["outputs"])
                 continue
             inputs = {name: local[name] if name in local else catalog.load(name) for name in node.inputs}
-            local.update(node.run(inputs))
+            outputs = node.run(inputs)
+            for value in outputs.values():
+                if hasattr(value, "drain"):  # computed as it is saved (a batch job): this rank's share
+                    value.drain()
+            local.update(outputs)
             later = {name for n in nodes[index + 1 : last_shared + 1] for name in n.inputs}
             local = {name: value for name, value in local.items() if name in later}  # free the models
             self._logger.info("rank %d: completed node %s", launch_rank(), node.name)

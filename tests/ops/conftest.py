@@ -78,3 +78,23 @@ def store(tmp_path: Path) -> Iterator[str]:
         yield uri
         while mlflow.active_run() is not None:
             mlflow.end_run()
+
+
+def rerank_folder(
+    folder: Path, files: dict[str, object], model_uri: str, serving: dict, chunk_size: int = 4
+) -> tuple[pd.DataFrame, dict]:
+    """The batch re-rank pipeline's two nodes over `files` (name -> JSON content, written into
+    `folder/requests`), answers saved in `folder/reranked`: (all answers, the report)."""
+    import json
+
+    from diffusion_gr2.datasets import AnswerChunksDataset, RequestFilesDataset
+    from diffusion_gr2.pipelines.batch_rerank.nodes import answer_requests, summarize_answers
+
+    (folder / "requests").mkdir(parents=True, exist_ok=True)
+    for name, content in files.items():
+        (folder / "requests" / f"{name}.json").write_text(json.dumps(content))
+    params = {"model_uri": model_uri, "chunk_size": chunk_size}
+    output = AnswerChunksDataset(str(folder / "reranked"))
+    output.save(answer_requests(RequestFilesDataset(str(folder / "requests")).load(), params, serving))
+    report = summarize_answers(output.load(), params)
+    return pd.read_parquet(folder / "reranked"), report

@@ -20,8 +20,7 @@ from diffusion_gr2.core.tracking.request_log import (
     read_log,
     server_environment,
 )
-from diffusion_gr2.pipelines.rerank.nodes import rerank_files
-from tests.ops.conftest import World
+from tests.ops.conftest import World, rerank_folder
 
 
 def config(
@@ -156,10 +155,11 @@ def test_the_rerank_pipeline_writes_the_same_log(store: str, world: World, tmp_p
     )
     registry.promote(registry.DIFFUSION_MODEL, ref.version, "test")
     records = served_requests(world, 2)
-    files = {"day1": lambda: {"requests": [records[0], {**records[1], "history": []}]}}
-    serving = {"request_log": {"enabled": True, "folder": str(tmp_path), "max_bytes": 1 << 20, "backups": 1}}
-    rerank_files(files, {"model_uri": f"models:/{registry.DIFFUSION_MODEL}@champion"}, serving)
-    frame, _ = read_log(tmp_path)
+    files = {"day1": {"requests": [records[0], {**records[1], "history": []}]}}
+    log = tmp_path / "log"
+    serving = {"request_log": {"enabled": True, "folder": str(log), "max_bytes": 1 << 20, "backups": 1}}
+    rerank_folder(tmp_path, files, f"models:/{registry.DIFFUSION_MODEL}@champion", serving)
+    frame, _ = read_log(log)
     assert frame["request_id"].tolist() == ["r0"]  # the refused request is not an answer
     assert (frame["model_version"].iloc[0], frame["source"].iloc[0]) == (ref.version, "rerank")
 

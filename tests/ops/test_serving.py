@@ -28,9 +28,8 @@ from diffusion_gr2.core.tracking.request_log import (
     read_log,
     server_environment,
 )
-from diffusion_gr2.pipelines.rerank.nodes import rerank_files
 from tests.conftest import empty_mlflow_store
-from tests.ops.conftest import World
+from tests.ops.conftest import World, rerank_folder
 
 BIN = Path(sys.executable).parent
 
@@ -163,22 +162,22 @@ def test_the_served_champion_answers_and_refuses_malformed_requests_with_a_4xx(
 
 
 def test_the_rerank_pipeline_serves_request_files_and_names_each_refusal(
-    champion: tuple[str, str], world: World
+    champion: tuple[str, str], world: World, tmp_path: Path
 ) -> None:
     row = world.candidates.iloc[1]
     good = {"history": world.raw(row.history), "candidates": world.raw(row.candidates), "request_id": "ok"}
     files = {
-        "day1": lambda: {
+        "day1": {
             "requests": [good, {**good, "request_id": "dup", "candidates": [good["candidates"][0]] * 3}]
         },
-        "day2": lambda: [{**good, "request_id": "no-history", "history": []}],
+        "day2": [{**good, "request_id": "no-history", "history": []}],
     }
     off = {"request_log": {"enabled": False, "folder": "unused", "max_bytes": 1 << 20, "backups": 0}}
-    out = rerank_files(files, {"model_uri": f"models:/{registry.DIFFUSION_MODEL}@champion"}, off)
-    frame = out["reranked"].set_index("request_id")
+    answers, report = rerank_folder(tmp_path, files, f"models:/{registry.DIFFUSION_MODEL}@champion", off)
+    frame = answers.set_index("request_id")
     assert bool(frame.loc["ok", "ok"]) and sorted(frame.loc["ok", "ranking"]) == sorted(good["candidates"])
     assert "more than once" in frame.loc["dup", "error"] and "empty" in frame.loc["no-history", "error"]
-    assert out["rerank_report"]["served"] == 1 and out["rerank_report"]["refused"] == 2
+    assert report["served"] == 1 and report["refused"] == 2 and report["files"] == 2
 
 
 def test_rolling_back_the_alias_serves_the_previous_version(champion: tuple[str, str], world: World) -> None:

@@ -60,6 +60,7 @@ from transformers import PreTrainedModel
 from diffusion_gr2.core.decode.config import BACKENDS, COMMIT_RULES, DRAFTS, DecodeConfig, DecodeOutput, check
 from diffusion_gr2.core.decode.grammar import TokenConstraint
 from diffusion_gr2.core.decode.runner import left_pad_prompts, resolved_backend
+from diffusion_gr2.core.decode.shards import active_shards
 from diffusion_gr2.core.decode.state import Batch, Block
 from diffusion_gr2.core.decode.steps import ar_drafts, first_token, jump_forward, run_block
 
@@ -144,14 +145,23 @@ def decode(
     check(config, len(prompts), None if constraints is None else len(constraints), drafter)
     gen = torch.Generator(device=model.device).manual_seed(config.seed)
     order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
+    batches = [order[start : start + config.batch_size] for start in range(0, len(order), config.batch_size)]
+    # Sampling draws from one generator across the batches: shared, it would draw other numbers.
+    shards = None if config.do_sample else active_shards()
     outputs: list[DecodeOutput | None] = [None] * len(prompts)
-    for start in range(0, len(order), config.batch_size):
-        chunk = order[start : start + config.batch_size]
+    for b, chunk in enumerate(batches):
+        if shards is not None and not shards.owns(b):
+            continue
         rows = None if constraints is None else [constraints[i].copy() for i in chunk]
         decoded = _decode_batch(model, [list(prompts[i]) for i in chunk], config, gen, rows, drafter)
         for i, out in zip(chunk, decoded, strict=True):
             outputs[i] = out
         if progress is not None:
             progress(len(chunk))
+    if shards is not None:  # every process gets every output, in prompt order
+        mine = {i: out for i, out in enumerate(outputs) if out is not None}
+        for theirs in shards.gather(mine):
+            for i, out in theirs.items():
+                outputs[i] = out
     logger.debug("decoded %d prompts with block size %d", len(prompts), config.block_size)
     return outputs  # type: ignore[return-value]

@@ -23,12 +23,14 @@ import pandas as pd
 from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
 from diffusion_gr2.core.bench.benchmark import candidate_timer
+from diffusion_gr2.core.decode.shards import Shards, launch_shards, shared_decoding, solo
 from diffusion_gr2.core.evaluate.policy import Policy
 from diffusion_gr2.core.evaluate.rankings import rankings_summary
 from diffusion_gr2.core.rank.point_search import (
     OperatingPointConfig,
     Reference,
     TauWindow,
+    TimeCandidates,
     search_operating_point,
 )
 from diffusion_gr2.core.rank.rerank import (
@@ -94,6 +96,50 @@ def _sweep(params: dict[str, Any], system: str) -> list[TauWindow]:
     return [(float(t), None) for t in taus]
 
 
+def _rerank_passes(
+    system: str,
+    model: PreTrainedModel,
+    requests: pd.DataFrame,
+    tokenizer: PreTrainedTokenizerFast,
+    params: dict[str, Any],
+    policy: dict[str, Any],
+    reference: dict[str, Any] | None,
+    reference_model: PreTrainedModel | None,
+    shards: Shards | None,
+) -> dict[str, Any]:
+    """`system`'s passes over validation (choosing its operating point) and test (`make_rerank_node`)."""
+    decoding = RerankConfig(**params["decoding"])
+    config = OperatingPointConfig.from_params(params["operating_point"], Policy.from_params(policy))
+    model = prepare_model(model, decoding.device)
+    frames, operating_point = [], None
+    if "valid" in params["splits"]:
+        valid = _split_requests(requests, params, "valid")
+        if config.chooses(system):
+            reference_rows = reference["rankings"] if reference is not None else None
+            reference_of = Reference(reference_rows, reference_model)
+            # the benchmark's harness times the admitted, on rank 0 alone: every process chooses
+            # from the same figures
+            timer = solo_timer(candidate_timer(config), shards)
+            found = search_operating_point(
+                model, tokenizer, system, valid, reference_of, decoding, config, timer
+            )
+            frames.append(found.rows)
+            operating_point = found.point
+        elif (cap := _valid_cap(system, params, config)) != 0:
+            rows = valid if cap is None else valid.head(int(cap))
+            frames.append(
+                rerank_system(model, rows, tokenizer, system, _sweep(params, system), decoding, "valid")[0]
+            )
+    if "test" in params["splits"]:
+        test = _split_requests(requests, params, "test")
+        for settings, cap in _test_passes(system, params, config, operating_point):
+            rows = test if cap is None else test.head(int(cap))
+            frames.append(rerank_system(model, rows, tokenizer, system, settings, decoding, "test")[0])
+    # No pass at all: validation alone, for a system that neither chooses nor is swept there.
+    rankings = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=list(RANKING_COLUMNS))
+    return {"rankings": rankings, "operating_point": operating_point}
+
+
 def make_rerank_node(system: str) -> Callable[..., dict[str, Any]]:
     """The node function of one model system (named `rerank_<system>` for the DAG and the logs).
 
@@ -113,42 +159,26 @@ def make_rerank_node(system: str) -> Callable[..., dict[str, Any]]:
         reference: dict[str, Any] | None = None,
         reference_model: PreTrainedModel | None = None,
     ) -> dict[str, Any]:
-        decoding = RerankConfig(**params["decoding"])
-        config = OperatingPointConfig.from_params(params["operating_point"], Policy.from_params(policy))
-        model = prepare_model(model, decoding.device)
-        frames, operating_point = [], None
-        if "valid" in params["splits"]:
-            valid = _split_requests(requests, params, "valid")
-            if config.chooses(system):
-                reference_rows = reference["rankings"] if reference is not None else None
-                reference_of = Reference(reference_rows, reference_model)
-                timer = candidate_timer(config)  # the benchmark's harness times the admitted
-                found = search_operating_point(
-                    model, tokenizer, system, valid, reference_of, decoding, config, timer
-                )
-                frames.append(found.rows)
-                operating_point = found.point
-            elif (cap := _valid_cap(system, params, config)) != 0:
-                rows = valid if cap is None else valid.head(int(cap))
-                frames.append(
-                    rerank_system(model, rows, tokenizer, system, _sweep(params, system), decoding, "valid")[
-                        0
-                    ]
-                )
-        if "test" in params["splits"]:
-            test = _split_requests(requests, params, "test")
-            for settings, cap in _test_passes(system, params, config, operating_point):
-                rows = test if cap is None else test.head(int(cap))
-                frames.append(rerank_system(model, rows, tokenizer, system, settings, decoding, "test")[0])
-        # No pass at all: validation alone, for a system that neither chooses nor is swept there.
-        rankings = (
-            pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=list(RANKING_COLUMNS))
-        )
-        return {"rankings": rankings, "operating_point": operating_point}
+        shards = launch_shards()  # each process of a launch decodes its share of every pass
+        with shared_decoding(shards):
+            return _rerank_passes(
+                system, model, requests, tokenizer, params, policy, reference, reference_model, shards
+            )
 
     rerank_model.__name__ = rerank_model.__qualname__ = f"rerank_{system}"
     rerank_model.__doc__ = f"Re-rank the validation and test requests with `{system}`."
     return rerank_model
+
+
+def solo_timer(timer: TimeCandidates, shards: Shards | None) -> TimeCandidates:
+    """`timer` run by rank 0 alone and its figures sent to every process of a launch (`solo`)."""
+    if shards is None:
+        return timer
+
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        return solo(shards, lambda: timer(*args, **kwargs))
+
+    return timed
 
 
 def combine_rankings(*results: pd.DataFrame | dict[str, Any]) -> dict[str, Any]:

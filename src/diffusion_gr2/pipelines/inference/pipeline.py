@@ -1,7 +1,8 @@
 """inference: every system re-ranks the validation and test requests; diffusion systems per tau.
 
 One node per system, so `create_pipeline(systems=...)` can leave out systems whose model is not
-trained yet (Kedro parameters are not available when pipelines are built). Diffusion systems read
+trained yet (Kedro parameters are not available when pipelines are built). Each model system's node
+runs on every process of a launch, each decoding its share of the requests (core/decode/shards.py). Diffusion systems read
 the reference's (`ar_rl`) rankings to choose their operating point on validation, and its model to
 time the candidates' speed-ups against it in the same rounds.
 """
@@ -13,6 +14,7 @@ from collections.abc import Sequence
 from kedro.pipeline import Node, Pipeline
 
 from diffusion_gr2.core.rank.rerank import AR_SYSTEMS, SYSTEMS
+from diffusion_gr2.runner import ALL_RANKS
 
 from .nodes import combine_rankings, make_rerank_node, rerank_prerank
 
@@ -32,7 +34,14 @@ def _system_node(system: str, systems: Sequence[str]) -> Node:
     inputs = [f"model_{system}", "requests", "tokenizer", "params:inference", "params:policy"]
     if system not in AR_SYSTEMS and REFERENCE in systems:  # its rankings and its model (timed beside)
         inputs += [_output(REFERENCE), f"model_{REFERENCE}"]
-    return Node(make_rerank_node(system), inputs=inputs, outputs=_output(system), name=f"rerank_{system}")
+    # every process of a launch decodes its share of the requests (core/decode/shards.py)
+    return Node(
+        make_rerank_node(system),
+        inputs=inputs,
+        outputs=_output(system),
+        name=f"rerank_{system}",
+        tags=ALL_RANKS,
+    )
 
 
 def create_pipeline(systems: Sequence[str] = SYSTEMS, **kwargs) -> Pipeline:

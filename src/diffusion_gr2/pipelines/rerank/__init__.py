@@ -1,5 +1,0 @@
-"""rerank pipeline."""
-
-from .pipeline import create_pipeline
-
-__all__ = ["create_pipeline"]
