@@ -222,7 +222,9 @@ class AnswerChunksDataset(AbstractDataset[Any, dict[str, Any]]):
             for part in parts.values():
                 part.unlink()
             done = set()
+        from diffusion_gr2.core.tracking.batch import answer_schema
+
         atomic_write_json(self.path / self.JOB, {"key": data.key, "complete": False})
         for index, frame in data.answer(done):
-            atomic_write_parquet(frame, self.path / f"part-{index:06d}.parquet")
+            atomic_write_parquet(frame, self.path / f"part-{index:06d}.parquet", answer_schema())
         atomic_write_json(self.path / self.JOB, {"key": data.key, "complete": True})

@@ -14,9 +14,6 @@ def register_pipelines() -> dict[str, Pipeline]:
     pipelines["__default__"] = sum(
         (pipelines[name] for name in DEFAULT_STAGES if name in pipelines), Pipeline([])
     )
-    # Batch re-ranking is typed `--pipelines rerank`; its folder says what it does (`batch_rerank`).
-    if "batch_rerank" in pipelines:
-        pipelines["rerank"] = pipelines.pop("batch_rerank")
     # Every other name is a folder of pipelines/ (Kedro loads only the folders a run names: `retrain`
     # and `register` are folders for that reason, not entries added here).
     return pipelines

@@ -88,7 +88,7 @@ def rerank_folder(
     import json
 
     from diffusion_gr2.datasets import AnswerChunksDataset, RequestFilesDataset
-    from diffusion_gr2.pipelines.batch_rerank.nodes import answer_requests, summarize_answers
+    from diffusion_gr2.pipelines.rerank.nodes import answer_requests, summarize_answers
 
     (folder / "requests").mkdir(parents=True, exist_ok=True)
     for name, content in files.items():

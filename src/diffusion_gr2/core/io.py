@@ -108,9 +108,10 @@ def atomic_write_json(path: str | Path, obj: Any, indent: int = 2) -> Path:
     return atomic_write_text(path, text + "\n")
 
 
-def atomic_write_parquet(df: pd.DataFrame, path: str | Path) -> Path:
-    """Write ``df`` to a parquet file at ``path`` atomically (pyarrow engine); returns the final path."""
-    return _atomic_write(path, lambda handle: df.to_parquet(handle, engine="pyarrow"))
+def atomic_write_parquet(df: pd.DataFrame, path: str | Path, schema: Any = None) -> Path:
+    """Write ``df`` to a parquet file at ``path`` atomically (pyarrow engine, with the pyarrow
+    ``schema`` where given: parts of one dataset then share their types); returns the final path."""
+    return _atomic_write(path, lambda handle: df.to_parquet(handle, engine="pyarrow", schema=schema))
 
 
 @contextlib.contextmanager

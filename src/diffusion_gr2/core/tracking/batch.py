@@ -34,7 +34,7 @@ from diffusion_gr2.core.decode.shards import Shards, launch_shards, shared_decod
 from diffusion_gr2.core.tracking.request_log import RequestLog, ServedModel, log_rows
 from diffusion_gr2.core.tracking.serving import RequestError, parse_request
 
-__all__ = ["ANSWER_COLUMNS", "FORMATS", "BatchJob", "RequestFiles", "job_key", "summarize"]
+__all__ = ["ANSWER_COLUMNS", "FORMATS", "answer_schema", "BatchJob", "RequestFiles", "job_key", "summarize"]
 
 FORMATS = (".json", ".jsonl", ".parquet")  # a request file's suffix says how it is read
 ANSWER_COLUMNS = [
@@ -50,6 +50,17 @@ ANSWER_COLUMNS = [
     "tau",
     "latency_ms",  # the decode call that answered the request's chunk, shared by its requests
 ]
+
+def answer_schema() -> Any:
+    """The Arrow types of `ANSWER_COLUMNS`: every chunk's file has them, whatever its values (a chunk
+    of refusals only has no ranking to infer a type from)."""
+    import pyarrow as pa
+
+    types = {"position": pa.int64(), "ok": pa.bool_(), "valid": pa.bool_(), "unforced": pa.bool_()}
+    types |= {"ranking": pa.list_(pa.string()), "tau": pa.float64(), "latency_ms": pa.float64()}
+    return pa.schema([(c, types.get(c, pa.string())) for c in ANSWER_COLUMNS])
+
+
 _READ_BYTES = 1 << 20  # a JSON list is read a MiB at a time
 _PARQUET_ROWS = 1024
 

@@ -1,6 +1,7 @@
-"""batch_rerank: request files (raw item ids) -> the served model -> answers, chunk by chunk.
+"""rerank: batch re-ranking of request files (raw item ids) by the served model, chunk by chunk.
 
-Registered as ``rerank`` (`kedro run --pipelines rerank`). `answer_requests` runs on every process
+(The inference stage, `pipelines/inference`, re-ranks the evaluation requests with every trained
+system; this pipeline serves a registered version over files users deliver.) `answer_requests` runs on every process
 of a launch (each decodes its share of every chunk); rank 0 writes the chunks and the report.
 """
 

@@ -1,4 +1,4 @@
-"""batch_rerank nodes: the served model over request files, streamed and resumable
+"""rerank nodes (batch re-ranking): the served model over request files, streamed and resumable
 (docs/operations.md#batch-re-ranking; the algorithm: core/tracking/batch.py)."""
 
 from __future__ import annotations

@@ -1,5 +1,0 @@
-"""batch_rerank pipeline (`kedro run --pipelines rerank`): the served model over request files."""
-
-from .pipeline import create_pipeline
-
-__all__ = ["create_pipeline"]
