@@ -3,8 +3,9 @@
 ``accelerate launch -m diffusion_gr2 run ...`` starts one process per GPU; each opens its own
 ``KedroSession`` and runs the pipeline with :class:`RankAwareRunner`. What runs where:
 
-* nodes tagged ``all_ranks`` (the training stages, and the cheap deterministic nodes that build their
-  starting model) run on every rank. Rank 0 runs them as Kedro always does (inputs loaded, outputs
+* nodes tagged ``all_ranks`` (the training stages, the cheap deterministic nodes that build their
+  starting model, and the decoding nodes, which share their requests out: ``core/decode/shards.py``)
+  run on every rank. Rank 0 runs them as Kedro always does (inputs loaded, outputs
   saved, hooks called); the other ranks load the inputs, run the node and keep its outputs in their
   own memory for the next ``all_ranks`` node. They never save anything.
 * every other node (data preparation, retrieval, traces, conversion, inference, evaluation,
@@ -12,9 +13,9 @@
   catalog (files rank 0 has written) when an ``all_ranks`` node needs them; an in-memory output is
   sent to them instead. An output that is computed as rank 0 saves it (a batch re-rank job, which
   has a ``drain`` method) is drained on the other ranks: they compute their share and keep nothing.
-  Once no ``all_ranks`` node is left, they are done. A launch runs what training
-  needs first and the rest (evaluating each stage, reports, registration) after the last training node
-  (:func:`launch_order`), so no GPU idles while rank 0 evaluates.
+  Once no ``all_ranks`` node is left, they are done. A launch runs what the shared nodes need first
+  and what only rank 0 does with their outputs (reports, registration) after the last of them
+  (:func:`launch_order`), so no GPU idles while rank 0 writes reports.
 
 So every dataset save, model folder, MLflow run, artifact, lineage record and registry call happens on
 rank 0 (kedro-mlflow's hooks are not even registered on the other ranks: ``settings.py``). A failure
@@ -70,9 +71,10 @@ def runs_on_all_ranks(node: Node) -> bool:
 
 def launch_order(pipeline: Pipeline) -> list[Node]:
     """The nodes in the order a launch runs them, each part in Kedro's order: first everything but what
-    only uses the training's outputs, then that. Rank 0's evaluation of a stage (``rerank_ar_sft``)
-    then waits until training is over instead of holding every other GPU idle between two stages,
-    while checks that can stop the run (the data validations) still come before any training."""
+    only uses the shared nodes' outputs, then that. Rank 0's reports (``compare_to_baselines``) then
+    wait until every shared node (training, decoding) is over instead of holding the other GPUs idle
+    between two of them, while checks that can stop the run (the data validations) still come before
+    any training."""
     shared = [n.name for n in pipeline.nodes if runs_on_all_ranks(n)]
     if not shared:
         return list(pipeline.nodes)

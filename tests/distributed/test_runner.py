@@ -31,12 +31,21 @@ def default_pipeline():
     return pipelines["__default__"]
 
 
-def test_training_nodes_run_on_every_rank_and_nothing_else_but_their_starting_model(default_pipeline) -> None:
+def _decoding(pipeline) -> set[str]:
+    """The inference nodes of the model systems: each process decodes its share of their requests."""
+    return {n.name for n in pipeline.nodes if n.name.startswith("rerank_") and n.name != "rerank_prerank"}
+
+
+def test_training_and_decoding_nodes_run_on_every_rank_and_nothing_else_but_the_starting_model(
+    default_pipeline,
+) -> None:
     everywhere = {name for name, where in placement(default_pipeline) if where == "every rank"}
-    assert everywhere == TRAINING | {"build_ar_model"}
+    assert _decoding(default_pipeline) and everywhere == TRAINING | {"build_ar_model"} | _decoding(
+        default_pipeline
+    )
 
 
-def test_a_launch_validates_first_trains_next_and_evaluates_last(default_pipeline) -> None:
+def test_a_launch_validates_first_trains_next_and_reports_last(default_pipeline) -> None:
     order = [n.name for n in launch_order(default_pipeline)]
     assert sorted(order) == sorted(n.name for n in default_pipeline.nodes)
     position = {name: i for i, name in enumerate(order)}
@@ -44,12 +53,11 @@ def test_a_launch_validates_first_trains_next_and_evaluates_last(default_pipelin
         for parent in default_pipeline.node_dependencies[node]:
             assert position[parent.name] < position[node.name], (parent.name, node.name)
     first_training = min(position[n] for n in TRAINING)
-    last_training = max(position[n] for n in TRAINING)
+    last_shared = max(position[n] for n in TRAINING | _decoding(default_pipeline))
     assert max(position["validate_splits"], position["validate_candidate_lists"]) < first_training
-    assert all(
-        position[n] > last_training for n in order if n.startswith("rerank_") and n != "rerank_prerank"
-    )
-    assert not any(runs_on_all_ranks(n) for n in launch_order(default_pipeline)[last_training + 1 :])
+    # the reports come after every process is done: nothing after them runs on every rank
+    assert all(position[n] > last_shared for n in ("combine_rankings", "write_report"))
+    assert not any(runs_on_all_ranks(n) for n in launch_order(default_pipeline)[last_shared + 1 :])
 
 
 def test_a_plain_kedro_run_started_as_several_processes_is_refused(
