@@ -14,7 +14,7 @@ export HF_HUB_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1 TRANSFORMERS_OFFLINE=1 GX_ANA
 PIP_QUIET := 2>&1 | { grep -v "^WARNING: Location" || true; }
 
 
-.PHONY: setup setup-airflow run run-full run-distributed test lint format benchmark results mlflow-ui dvc-repro clean retrain register serve viz
+.PHONY: setup setup-airflow run run-full run-distributed rerank test lint format benchmark results mlflow-ui dvc-repro clean retrain register serve viz
 
 $(STAMP): requirements/lock.txt pyproject.toml
 	@command -v $(PYTHON) >/dev/null || { echo "$(PYTHON) not found: set PYTHON=/path/to/python3.11"; exit 1; }
@@ -86,6 +86,14 @@ lint: setup
 format: setup
 	$(BIN)/ruff format src tests benchmarks
 	$(BIN)/ruff check --fix src tests benchmarks
+
+# Batch re-ranking of data/05_model_input/rerank_requests/ by the champion (docs/operations.md#batch-re-ranking);
+# PROCESSES=N decodes on N processes (one per GPU, or CPU processes with gloo where there is none).
+PROCESSES ?= 1
+rerank: setup
+	@if [ "$(PROCESSES)" = 1 ]; then $(BIN)/python -m diffusion_gr2 run --pipelines rerank $(KEDRO_ARGS); \
+	else $(BIN)/accelerate launch --multi_gpu --num_processes $(PROCESSES) --num_machines 1 --mixed_precision no \
+	  --dynamo_backend no -m diffusion_gr2 run --pipelines rerank $(KEDRO_ARGS); fi
 
 benchmark: setup
 	$(BIN)/kedro run --pipelines benchmark
