@@ -115,7 +115,7 @@ class PretrainedDataset(_AtomicFileDataset):
         else:
             save_model(data, self._tokenizer_path, self.path)
         if self._log_to_mlflow:
-            from diffusion_gr2.core.tracking.mlflow_utils import log_model_directory
+            from diffusion_gr2.core.runs.mlflow_utils import log_model_directory
 
             log_model_directory(self.path, self.path.name)
 

@@ -8,15 +8,15 @@ from typing import Any
 import mlflow
 import pandas as pd
 
-from diffusion_gr2.core.tracking.registry import resolve_uri
-from diffusion_gr2.core.tracking.request_log import (
+from diffusion_gr2.core.registry.registry import resolve_uri
+from diffusion_gr2.core.serving.request_log import (
     RequestLog,
     RequestLogConfig,
     ServedModel,
     log_rows,
     open_log,
 )
-from diffusion_gr2.core.tracking.serving import Ranker, RequestError, parse_request
+from diffusion_gr2.core.serving.serving import Ranker, RequestError, parse_request
 
 RESULT_COLUMNS = [
     "file",
