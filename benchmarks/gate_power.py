@@ -1,6 +1,6 @@
 """How often the gate's R@1 check passes a challenger at parity and refuses a clearly worse one.
 
-The check (`core/tracking/gate.decide`): the lower bound of the paired bootstrap interval of the
+The check (`core/registry/gate.decide`): the lower bound of the paired bootstrap interval of the
 challenger's R@1 minus the other system's, on the gate's requests, must be >= -margin. Whether that
 means anything depends on the slice size n, the margin and how often two systems disagree on a
 request (the discordance d: one hits at rank 1, the other not). This script simulates paired hits

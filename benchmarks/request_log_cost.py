@@ -1,4 +1,4 @@
-"""What the request log costs a served request (core/tracking/request_log.py).
+"""What the request log costs a served request (core/serving/request_log.py).
 
 Times `log_rows` + `RequestLog.append` for calls of 1 and 32 requests with a served answer's size (a
 20-item history, 10 candidates, a ~600-character explanation), one writer and four concurrent
@@ -17,7 +17,7 @@ import statistics
 import time
 from pathlib import Path
 
-from diffusion_gr2.core.tracking.request_log import (
+from diffusion_gr2.core.serving.request_log import (
     LOG_NAME,
     RequestLog,
     RequestLogConfig,

@@ -137,20 +137,20 @@ def _typed_configs(params: dict[str, Any]) -> dict[type, list[str]]:
     from diffusion_gr2.core.evaluate.policy import Policy
     from diffusion_gr2.core.evaluate.rankings import EvaluationConfig
     from diffusion_gr2.core.model.factory import ModelSpec
+    from diffusion_gr2.core.monitoring.drift import DriftConfig
+    from diffusion_gr2.core.monitoring.ingest import IngestConfig
+    from diffusion_gr2.core.monitoring.retrain_decision import RetrainConfig
     from diffusion_gr2.core.rank.rerank import RerankConfig
+    from diffusion_gr2.core.registry.gate import GateConfig
+    from diffusion_gr2.core.registry.shadow import ShadowConfig
     from diffusion_gr2.core.retrieval.candidates import CandidateConfig
     from diffusion_gr2.core.retrieval.sasrec import RetrieverConfig
+    from diffusion_gr2.core.serving.request_log import RequestLogConfig
     from diffusion_gr2.core.sid.rqvae import RQVAEConfig
     from diffusion_gr2.core.text.evidence import EvidenceConfig
     from diffusion_gr2.core.text.learned_analyst import LearnedAnalystConfig
     from diffusion_gr2.core.text.prompt import PromptConfig
     from diffusion_gr2.core.text.traces import AnalystConfig
-    from diffusion_gr2.core.tracking.drift import DriftConfig
-    from diffusion_gr2.core.tracking.gate import GateConfig
-    from diffusion_gr2.core.tracking.ingest import IngestConfig
-    from diffusion_gr2.core.tracking.request_log import RequestLogConfig
-    from diffusion_gr2.core.tracking.retrain_decision import RetrainConfig
-    from diffusion_gr2.core.tracking.shadow import ShadowConfig
     from diffusion_gr2.core.train.grpo import GRPOConfig
     from diffusion_gr2.core.train.loop import TrainConfig
     from diffusion_gr2.core.train.stages import RolloutConfig, SupervisedConfig

@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 from diffusion_gr2.core.rank.rerank import SERVED_DIFFUSION
-from diffusion_gr2.core.tracking import registry
+from diffusion_gr2.core.registry import registry
 from tests.conftest import isolated_project, run_kedro
 from tests.ops.test_serving import free_port
 

@@ -32,7 +32,11 @@ LAYERS: tuple[tuple[frozenset[str], str], ...] = (
     ),
     (frozenset({"train"}), "the training stages, which decode and reward rankings"),
     (frozenset({"bench"}), "times decode and rank settings; the operating point's timer"),
-    (frozenset({"tracking"}), "serving, registry, gates and retrains: the operations over all of it"),
+    (frozenset({"runs"}), "MLflow runs: metrics, model folders, look-ups that name what is missing"),
+    (frozenset({"serving"}), "the served re-ranker over rank's decoding, and its request log"),
+    (frozenset({"registry"}), "versions and aliases, the gate, shadow replay and promotion of what serves"),
+    (frozenset({"lineage"}), "what a run read and wrote, the walk back to raw files, a version's card"),
+    (frozenset({"monitoring"}), "deliveries taken in, their drift, and whether a retrain has work to do"),
 )
 LAYER = {package: i for i, (packages, _) in enumerate(LAYERS) for package in packages}
 
@@ -115,7 +119,7 @@ def test_each_core_package_imports_only_its_layer_and_below() -> None:
 PLANTED = {  # a module of rank that reaches up, each way an import can be written
     "lazy": "def timer():\n    from diffusion_gr2.core.bench.benchmark import time_candidates\n",
     "relative": "from ..bench import benchmark\n",
-    "from core": "from diffusion_gr2.core import tracking\n",
+    "from core": "from diffusion_gr2.core import monitoring\n",
     "plain": "import diffusion_gr2.core.train.loop\n",
 }
 
@@ -126,7 +130,7 @@ def test_the_check_catches_a_planted_upward_import(source: str) -> None:
     (found,) = upward(rank)
     assert found.startswith("diffusion_gr2.core.rank.planted:") and found.endswith(", above rank")
     # the same import from the top layer is allowed, and so is a downward one from rank
-    assert not upward({"diffusion_gr2.core.tracking.planted": (source, False)})
+    assert not upward({"diffusion_gr2.core.monitoring.planted": (source, False)})
     assert not upward({"diffusion_gr2.core.rank.planted": ("from ..decode import decoder\n", False)})
 
 
@@ -138,3 +142,16 @@ def test_the_check_catches_a_planted_kedro_import_and_an_unlayered_package() -> 
     assert upward({"diffusion_gr2.core.newpkg.x": ("", False)}) == [
         "diffusion_gr2.core.newpkg.x: core package 'newpkg' has no layer in LAYERS"
     ]
+
+
+UPWARD_IN_OPERATIONS = {  # the operations packages are ordered among themselves too
+    "serving imports registry": ("serving", "from diffusion_gr2.core.registry.registry import resolve_uri\n"),
+    "registry imports lineage": ("registry", "from diffusion_gr2.core.lineage import model_card\n"),
+    "lineage imports monitoring": ("lineage", "from diffusion_gr2.core.monitoring.ingest import ingest\n"),
+}
+
+
+@pytest.mark.parametrize("package, source", UPWARD_IN_OPERATIONS.values(), ids=UPWARD_IN_OPERATIONS.keys())
+def test_the_check_orders_the_operations_packages(package: str, source: str) -> None:
+    (found,) = upward({f"diffusion_gr2.core.{package}.planted": (source, False)})
+    assert found.endswith(f", above {package}")

@@ -279,7 +279,7 @@ def _tracked_run(project: Path, pipeline: str) -> str:
 @pytest.mark.slow
 def test_each_report_names_its_run_and_the_models_it_measured(evaluation_run: Path) -> None:
     from diffusion_gr2.core.evaluate.results import results_markdown
-    from diffusion_gr2.core.tracking.lineage import DigestCache
+    from diffusion_gr2.core.lineage.lineage import DigestCache
 
     reporting = evaluation_run / "data/08_reporting"
     run_id = _tracked_run(evaluation_run, "inference,evaluation")

@@ -20,10 +20,10 @@ from transformers import PreTrainedTokenizerFast
 from diffusion_gr2.core.bench import benchmark
 from diffusion_gr2.core.bench.benchmark import time_candidates
 from diffusion_gr2.core.data.recbole import embedded_ml100k_folder
+from diffusion_gr2.core.lineage.lineage_report import lineage_lines
 from diffusion_gr2.core.rank import rerank
 from diffusion_gr2.core.rank.rerank import SERVED_DIFFUSION
-from diffusion_gr2.core.tracking import registry
-from diffusion_gr2.core.tracking.lineage_report import lineage_lines
+from diffusion_gr2.core.registry import registry
 from diffusion_gr2.pipelines.inference.nodes import make_rerank_node
 from diffusion_gr2.pipelines.retrain.nodes import choose_operating_point
 from tests.conftest import isolated_project, run_kedro

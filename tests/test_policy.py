@@ -21,7 +21,7 @@ from diffusion_gr2.core.rank import point_search
 from diffusion_gr2.core.rank.operating_point import PRERANK, paired_key
 from diffusion_gr2.core.rank.point_search import OperatingPointConfig, Reference, search_operating_point
 from diffusion_gr2.core.rank.rerank import SERVED_DIFFUSION
-from diffusion_gr2.core.tracking.gate import GateConfig, decide
+from diffusion_gr2.core.registry.gate import GateConfig, decide
 from diffusion_gr2.parameters import load_parameters
 from diffusion_gr2.pipelines.evaluation.nodes import compare_to_baselines
 from diffusion_gr2.pipelines.retrain import nodes as retrain_nodes

@@ -104,7 +104,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def serve(args: argparse.Namespace, client) -> int:  # noqa: ANN001 (an MlflowClient)
     """Say what serves and why, then become `mlflow models serve` on it (unless ``--which``)."""
-    from diffusion_gr2.core.tracking import registry
+    from diffusion_gr2.core.registry import registry
 
     if args.model:
         line = f"serving {args.model} (named on the command line)"
@@ -132,11 +132,11 @@ def serve(args: argparse.Namespace, client) -> int:  # noqa: ANN001 (an MlflowCl
 
 def _request_log_environment(uri: str, client) -> dict[str, str]:  # noqa: ANN001 (an MlflowClient)
     """`serving.request_log` and the version `uri` names now, for the scoring server's workers (they
-    load the model without the project's configuration; `core/tracking/request_log.py`)."""
+    load the model without the project's configuration; `core/serving/request_log.py`)."""
     from kedro.config import OmegaConfigLoader
 
-    from diffusion_gr2.core.tracking.registry import resolve_uri
-    from diffusion_gr2.core.tracking.request_log import RequestLogConfig, ServedModel, server_environment
+    from diffusion_gr2.core.registry.registry import resolve_uri
+    from diffusion_gr2.core.serving.request_log import RequestLogConfig, ServedModel, server_environment
     from diffusion_gr2.settings import CONFIG_LOADER_ARGS
 
     loader = OmegaConfigLoader("conf", env=os.environ.get("KEDRO_ENV"), **CONFIG_LOADER_ARGS)
@@ -151,7 +151,7 @@ def summary(reporting: str) -> str:
     from diffusion_gr2.core.base.manifest import read_report
     from diffusion_gr2.core.rank.operating_point import OperatingPointError, resolve_operating_point
     from diffusion_gr2.core.rank.rerank import SERVED_DIFFUSION
-    from diffusion_gr2.core.tracking import registry
+    from diffusion_gr2.core.registry import registry
 
     path = Path(reporting) / "operating_point.json"
     points = read_report(path)[0] if path.exists() else None
@@ -172,7 +172,7 @@ def summary(reporting: str) -> str:
 
 
 def retrain(env: str | None, force: bool, client) -> int:  # noqa: ANN001 (an MlflowClient)
-    """Run the retrain pipeline unless there is nothing to retrain (`core.tracking.retrain_decision`).
+    """Run the retrain pipeline unless there is nothing to retrain (`core.monitoring.retrain_decision`).
 
     The decision is the one the pipeline's first node makes, asked here first so that "nothing new"
     opens no Kedro session and no MLflow run: the incoming files are still taken in, the decision's
@@ -184,7 +184,7 @@ def retrain(env: str | None, force: bool, client) -> int:  # noqa: ANN001 (an Ml
     from kedro.framework.session import KedroSession
     from kedro.framework.startup import bootstrap_project
 
-    from diffusion_gr2.core.tracking.retrain_decision import RetrainConfig, decide_from_params
+    from diffusion_gr2.core.monitoring.retrain_decision import RetrainConfig, decide_from_params
     from diffusion_gr2.settings import CONFIG_LOADER_ARGS
 
     # the project's own loader settings (base/local, the `env` resolver), as the Kedro session uses
@@ -220,7 +220,7 @@ def retrained_line(reason: str, gate_file: Path | None, client) -> str:  # noqa:
     """A finished retrain's answer: why it ran, what the gate did to each re-ranker (`gate_file`: the
     report this retrain wrote, None if none), what serves now. A refusal is an answer too: the
     champion keeps serving, and the status is 0."""
-    from diffusion_gr2.core.tracking import registry
+    from diffusion_gr2.core.registry import registry
 
     serving = registry.served_champion(client).line()
     if gate_file is None:
@@ -240,8 +240,8 @@ def retrained_line(reason: str, gate_file: Path | None, client) -> str:  # noqa:
 def lineage(target: str, client) -> list[str]:  # noqa: ANN001 (an MlflowClient)
     """`lineage_lines` of `target`; a champion alias the model lacks is answered with what does serve
     (the pre-rank or the teacher, when no diffusion model passed the gate), or that nothing does."""
-    from diffusion_gr2.core.tracking import registry
-    from diffusion_gr2.core.tracking.lineage_report import lineage_lines
+    from diffusion_gr2.core.lineage.lineage_report import lineage_lines
+    from diffusion_gr2.core.registry import registry
 
     try:
         return lineage_lines(client, target, Path.cwd())
@@ -261,7 +261,7 @@ def lineage(target: str, client) -> list[str]:  # noqa: ANN001 (an MlflowClient)
 def show(name: str | None, client) -> int:  # noqa: ANN001 (an MlflowClient)
     """Every version of `name` (default: the three served models), its aliases, tau and gate decision;
     what serves now as the last line. An empty registry is one line on stderr and status 1."""
-    from diffusion_gr2.core.tracking import registry
+    from diffusion_gr2.core.registry import registry
 
     lines = []
     for model in [name] if name else registry.SERVING_ORDER:
@@ -311,9 +311,9 @@ def ops(argv: list[str]) -> int:
     # serving.py), past any filter (it sets its own): recorded and dropped, so stderr holds only
     # what a command says
     with warnings.catch_warnings(record=True):
-        from diffusion_gr2.core.tracking import registry
-        from diffusion_gr2.core.tracking.ingest import RetrainLockedError
-        from diffusion_gr2.core.tracking.lineage_report import MalformedTargetError, check_target
+        from diffusion_gr2.core.lineage.lineage_report import MalformedTargetError, check_target
+        from diffusion_gr2.core.monitoring.ingest import RetrainLockedError
+        from diffusion_gr2.core.registry import registry
     if args.command == "summary":
         sys.stdout.write(summary(args.reporting) + "\n")
         return 0
@@ -329,7 +329,7 @@ def ops(argv: list[str]) -> int:
             return 0
         client = _mlflow_client()
         if args.action == "show" and args.card:
-            from diffusion_gr2.core.tracking.model_card import read_card
+            from diffusion_gr2.core.lineage.model_card import read_card
 
             sys.stdout.write(read_card(args.name or registry.DIFFUSION_MODEL, args.card, client))
             return 0

@@ -103,7 +103,7 @@ def run_here(pipeline: str, nodes: list[str], env: str, conf_source: str | None)
     from kedro.framework.project import configure_project, pipelines
     from kedro.framework.session import KedroSession
 
-    from diffusion_gr2.core.tracking.retrain_decision import NothingToRetrain
+    from diffusion_gr2.core.monitoring.retrain_decision import NothingToRetrain
     from diffusion_gr2.pipelines.retrain.decision import DECISION, DECISION_NODE
     from diffusion_gr2.runner import runs_on_all_ranks
 

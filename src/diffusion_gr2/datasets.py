@@ -116,7 +116,7 @@ class PretrainedDataset(_AtomicFileDataset):
         else:
             save_model(data, self._tokenizer_path, self.path)
         if self._log_to_mlflow:
-            from diffusion_gr2.core.tracking.mlflow_utils import log_model_directory
+            from diffusion_gr2.core.runs.mlflow_utils import log_model_directory
 
             log_model_directory(self.path, self.path.name)
 
@@ -149,7 +149,7 @@ class ReportRunsDataset(AbstractDataset[None, Any]):
 
 class RequestFilesDataset(AbstractDataset[None, Any]):
     """Read-only: the request files of a folder for batch re-ranking (`.json`, `.jsonl`, `.parquet`),
-    loaded as a stream (`core/tracking/batch.py::RequestFiles`), never whole."""
+    loaded as a stream (`core/serving/batch.py::RequestFiles`), never whole."""
 
     def __init__(self, path: str, metadata: dict[str, Any] | None = None) -> None:
         self._path = PurePosixPath(path)
@@ -159,7 +159,7 @@ class RequestFilesDataset(AbstractDataset[None, Any]):
         return {"path": str(self._path)}
 
     def load(self) -> Any:
-        from diffusion_gr2.core.tracking.batch import FORMATS, RequestFiles
+        from diffusion_gr2.core.serving.batch import FORMATS, RequestFiles
 
         files = RequestFiles(Path(self._path))
         if not files.paths:
@@ -177,7 +177,7 @@ class AnswerChunksDataset(AbstractDataset[Any, dict[str, Any]]):
     written whole (a temp file renamed), beside ``_job.json`` (the job's key, and whether it is
     complete). `pandas.read_parquet(path)` reads them as one frame.
 
-    Saving a `core/tracking/batch.py::BatchJob` answers it chunk by chunk: with the key of the
+    Saving a `core/serving/batch.py::BatchJob` answers it chunk by chunk: with the key of the
     published chunks it resumes after them; another key deletes them first. Loading gives Kedro's
     partitioned form (chunk name -> a function that loads it), for a complete job only: a batch
     that was stopped is resumed, never read.
@@ -222,7 +222,7 @@ class AnswerChunksDataset(AbstractDataset[Any, dict[str, Any]]):
             for part in parts.values():
                 part.unlink()
             done = set()
-        from diffusion_gr2.core.tracking.batch import answer_schema
+        from diffusion_gr2.core.serving.batch import answer_schema
 
         atomic_write_json(self.path / self.JOB, {"key": data.key, "complete": False})
         for index, frame in data.answer(done):

@@ -14,7 +14,7 @@ import mlflow
 from kedro.framework.hooks import hook_impl
 
 from diffusion_gr2.core.base import manifest
-from diffusion_gr2.core.tracking.lineage import (
+from diffusion_gr2.core.lineage.lineage import (
     DigestCache,
     NodeRecord,
     add_output,

@@ -7,7 +7,7 @@ import os
 from kedro.config import OmegaConfigLoader
 
 from diffusion_gr2.core.env import quiet_offline_environment
-from diffusion_gr2.core.tracking.lineage import DigestCache
+from diffusion_gr2.core.lineage.lineage import DigestCache
 from diffusion_gr2.hooks import (
     BoundarySchemaHooks,
     LaunchHooks,

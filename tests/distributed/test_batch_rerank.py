@@ -23,8 +23,8 @@ import pandas as pd
 import pytest
 import torch
 
-from diffusion_gr2.core.tracking import registry
-from diffusion_gr2.core.tracking.request_log import read_log
+from diffusion_gr2.core.registry import registry
+from diffusion_gr2.core.serving.request_log import read_log
 from diffusion_gr2.datasets import AnswerChunksDataset, RequestFilesDataset
 from diffusion_gr2.pipelines.rerank.nodes import answer_requests
 from tests.conftest import PROJECT_ROOT, make_project_copy

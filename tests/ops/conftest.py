@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from diffusion_gr2.core.model.factory import save_model
+from diffusion_gr2.core.serving.serving import ServingConfig
 from diffusion_gr2.core.text.prompt import ItemLookup, PromptConfig, build_messages, render_answer
 from diffusion_gr2.core.text.tokenizer import build_tokenizer
-from diffusion_gr2.core.tracking.serving import ServingConfig
 from tests.conftest import empty_mlflow_store
 from tests.core.model.tiny import tiny_model_for
 from tests.core.text.synthetic import make_candidates, make_items, make_sids, sid_tokens

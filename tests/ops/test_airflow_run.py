@@ -20,7 +20,7 @@ import mlflow
 import pytest
 
 from diffusion_gr2.airflow_task import PYTHON_ENV
-from diffusion_gr2.core.tracking import registry
+from diffusion_gr2.core.registry import registry
 from diffusion_gr2.pipelines.retrain.pipeline import retrain_pipeline
 from tests.conftest import PROJECT_ROOT, make_project_copy
 from tests.ops.conftest import World

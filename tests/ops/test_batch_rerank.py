@@ -1,5 +1,5 @@
 """Batch re-ranking in one process: request files read as a stream, answered chunk by chunk, resumed
-after the last published chunk, started afresh for another model or input (core/tracking/batch.py).
+after the last published chunk, started afresh for another model or input (core/serving/batch.py).
 Several processes: tests/distributed/test_batch_rerank.py."""
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ from kedro.io import DatasetError
 from transformers import PreTrainedTokenizerFast
 
 from diffusion_gr2.core.model.factory import load_model
-from diffusion_gr2.core.tracking import batch
-from diffusion_gr2.core.tracking.batch import BatchJob, RequestFiles, job_key, summarize
-from diffusion_gr2.core.tracking.request_log import ServedModel
-from diffusion_gr2.core.tracking.serving import Ranker
+from diffusion_gr2.core.serving import batch
+from diffusion_gr2.core.serving.batch import BatchJob, RequestFiles, job_key, summarize
+from diffusion_gr2.core.serving.request_log import ServedModel
+from diffusion_gr2.core.serving.serving import Ranker
 from diffusion_gr2.datasets import AnswerChunksDataset, RequestFilesDataset
 from tests.ops.conftest import World
 

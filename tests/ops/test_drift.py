@@ -1,4 +1,4 @@
-"""Drift of a delivery against the champion's training window (`core.tracking.drift`), and how the
+"""Drift of a delivery against the champion's training window (`core.monitoring.drift`), and how the
 retrain decision uses it (strong drift below the new-rows minimum)."""
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ import pytest
 import yaml
 
 from diffusion_gr2.core.data.recbole import embedded_ml100k_folder
-from diffusion_gr2.core.tracking.drift import CHECKS, DriftConfig, drift_report, render_html
-from diffusion_gr2.core.tracking.ingest import IngestConfig
-from diffusion_gr2.core.tracking.retrain_decision import decide_retrain
+from diffusion_gr2.core.monitoring.drift import CHECKS, DriftConfig, drift_report, render_html
+from diffusion_gr2.core.monitoring.ingest import IngestConfig
+from diffusion_gr2.core.monitoring.retrain_decision import decide_retrain
 from diffusion_gr2.pipelines.retrain.decision import drift_outputs
 from tests.conftest import PROJECT_ROOT, make_project_copy
 from tests.ops.conftest import World

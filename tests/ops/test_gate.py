@@ -13,8 +13,8 @@ import pytest
 from diffusion_gr2.core.base.speed import TimedRate
 from diffusion_gr2.core.evaluate.policy import Policy
 from diffusion_gr2.core.rank.rerank import SERVED_DIFFUSION
-from diffusion_gr2.core.tracking import registry
-from diffusion_gr2.core.tracking.gate import GateConfig, decide, newest_slice, prerank_score
+from diffusion_gr2.core.registry import registry
+from diffusion_gr2.core.registry.gate import GateConfig, decide, newest_slice, prerank_score
 from diffusion_gr2.pipelines.retrain.nodes import register_models, run_gate
 from tests.ops.conftest import DECODING, World
 

@@ -14,8 +14,8 @@ import pytest
 from diffusion_gr2.core.base.speed import Ratio
 from diffusion_gr2.core.evaluate.metrics import PairedBootstrap
 from diffusion_gr2.core.evaluate.policy import TOLERANCE, Policy
-from diffusion_gr2.core.tracking import gate
-from diffusion_gr2.core.tracking.gate import GateConfig, decide
+from diffusion_gr2.core.registry import gate
+from diffusion_gr2.core.registry.gate import GateConfig, decide
 from diffusion_gr2.parameters import load_parameters
 from tests.ops.test_gate import side
 

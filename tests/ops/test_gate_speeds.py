@@ -12,7 +12,7 @@ import pandas as pd
 import pytest
 
 from diffusion_gr2.core.base.speed import TimedRate, speedup, statistic
-from diffusion_gr2.core.tracking.gate import GateConfig, speeds
+from diffusion_gr2.core.registry.gate import GateConfig, speeds
 
 
 class FakeRanker:

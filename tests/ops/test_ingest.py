@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from diffusion_gr2.core.tracking.ingest import (
+from diffusion_gr2.core.monitoring.ingest import (
     IngestConfig,
     RetrainLockedError,
     acquire_lock,

@@ -13,7 +13,7 @@ from kedro.pipeline import Node, Pipeline
 from kedro.runner import SequentialRunner
 from kedro_datasets.text import TextDataset
 
-from diffusion_gr2.core.tracking.lineage_report import lineage_lines
+from diffusion_gr2.core.lineage.lineage_report import lineage_lines
 from diffusion_gr2.hooks import NodeLineageHooks
 
 
@@ -66,7 +66,7 @@ def test_lineage_walks_from_a_registered_version_to_the_raw_file_and_flags_a_cha
     assert inputs[0].dataset.source_type == "local" and str(cleaned) in inputs[0].dataset.source
     client.create_registered_model("toy")
     version = client.create_model_version("toy", f"runs:/{second}/model", run_id=second).version
-    from diffusion_gr2.core.tracking.lineage import DigestCache
+    from diffusion_gr2.core.lineage.lineage import DigestCache
 
     for key, value in {
         "lineage.model.name": "model_toy",
@@ -103,7 +103,7 @@ def test_lineage_walks_from_a_registered_version_to_the_raw_file_and_flags_a_cha
 def test_a_warm_retrain_shows_the_settings_it_applied() -> None:
     from types import SimpleNamespace
 
-    from diffusion_gr2.core.tracking.lineage_report import _key_params
+    from diffusion_gr2.core.lineage.lineage_report import _key_params
 
     params = {"cft.train.max_steps": "450", "cft.train.seed": "0", "cft.warm_start.train.max_steps": "120"}
     run = SimpleNamespace(data=SimpleNamespace(params=params))

@@ -1,4 +1,4 @@
-"""The model card of a registered version (`core.tracking.model_card`): every fact from a recorded file."""
+"""The model card of a registered version (`core.lineage.model_card`): every fact from a recorded file."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ import pytest
 
 from diffusion_gr2.__main__ import ops
 from diffusion_gr2.core.evaluate.policy import Policy
-from diffusion_gr2.core.tracking import registry
-from diffusion_gr2.core.tracking.gate import GateConfig, decide
-from diffusion_gr2.core.tracking.lineage import PRODUCED_TAG, DigestCache, NodeRecord, file_md5, log_record
-from diffusion_gr2.core.tracking.model_card import CardConfig, publish_cards, read_card
+from diffusion_gr2.core.lineage.lineage import PRODUCED_TAG, DigestCache, NodeRecord, file_md5, log_record
+from diffusion_gr2.core.lineage.model_card import CardConfig, publish_cards, read_card
+from diffusion_gr2.core.registry import registry
+from diffusion_gr2.core.registry.gate import GateConfig, decide
 from tests.ops.conftest import World
 from tests.ops.test_retrain_command import HEADER
 

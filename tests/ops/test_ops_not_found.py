@@ -11,7 +11,7 @@ import mlflow
 import pytest
 
 from diffusion_gr2.__main__ import main, ops
-from diffusion_gr2.core.tracking import registry
+from diffusion_gr2.core.registry import registry
 
 NAME = registry.DIFFUSION_MODEL
 

@@ -16,10 +16,10 @@ from diffusion_gr2.core.decode.grammar import answer_grammars
 from diffusion_gr2.core.evaluate.rankings import stage_metrics
 from diffusion_gr2.core.rank import rerank as rerank_module
 from diffusion_gr2.core.rank.rerank import rerank
+from diffusion_gr2.core.registry.gate import score
+from diffusion_gr2.core.serving.serving import Ranker
 from diffusion_gr2.core.text.prompt import build_messages, render_answer
 from diffusion_gr2.core.text.tokenizer import IM_END, encode_prompt
-from diffusion_gr2.core.tracking.gate import score
-from diffusion_gr2.core.tracking.serving import Ranker
 from tests.ops.conftest import World
 
 LONG = {"max_new_tokens": 96}

@@ -23,7 +23,7 @@ import pytest
 from mlflow.exceptions import MlflowException
 
 from diffusion_gr2.__main__ import ops
-from diffusion_gr2.core.tracking import registry
+from diffusion_gr2.core.registry import registry
 from tests.conftest import make_project_copy
 from tests.ops.conftest import World
 from tests.ops.test_retrain_command import HEADER, held_lines
@@ -251,9 +251,9 @@ def test_register_over_the_prerank_champion_answers_in_one_line(
     """A second `make register` with no re-ranker good enough again: the new pre-rank takes over, and
     the gate's one log line says so (the teacher's refusal is the line before it)."""
     register_and_gate(world, tmp_path, REFUSED, min_unforced_rate=0.5)  # the pre-rank v1 serves
-    with caplog.at_level(logging.INFO, logger="diffusion_gr2.core.tracking.promotion"):
+    with caplog.at_level(logging.INFO, logger="diffusion_gr2.core.registry.promotion"):
         report = register_and_gate(world, tmp_path, REFUSED, min_unforced_rate=0.5)
-    said = [r.getMessage() for r in caplog.records if r.name == "diffusion_gr2.core.tracking.promotion"]
+    said = [r.getMessage() for r in caplog.records if r.name == "diffusion_gr2.core.registry.promotion"]
     assert said[-1] == f"gate: diffusion not_registered, teacher refuse; {report['serving']}"
     assert said[-2].startswith(f"gate refused {TEACHER} v2: unforced_rate = ")
     assert report["serving"].startswith(

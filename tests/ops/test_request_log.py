@@ -11,8 +11,8 @@ from pathlib import Path
 import mlflow
 import pytest
 
-from diffusion_gr2.core.tracking import registry
-from diffusion_gr2.core.tracking.request_log import (
+from diffusion_gr2.core.registry import registry
+from diffusion_gr2.core.serving.request_log import (
     LOG_NAME,
     RequestLog,
     RequestLogConfig,
@@ -168,7 +168,7 @@ def test_serve_hands_the_log_settings_and_the_served_version_to_the_scoring_serv
     store: str, world: World, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from diffusion_gr2.__main__ import ops
-    from diffusion_gr2.core.tracking.request_log import ENV_CONFIG, ENV_MODEL
+    from diffusion_gr2.core.serving.request_log import ENV_CONFIG, ENV_MODEL
     from tests.conftest import PROJECT_ROOT
 
     ref = registry.register_reranker(

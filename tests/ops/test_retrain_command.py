@@ -11,7 +11,7 @@ import pytest
 
 from diffusion_gr2.__main__ import ops
 from diffusion_gr2.core.data.recbole import embedded_ml100k_folder
-from diffusion_gr2.core.tracking import registry
+from diffusion_gr2.core.registry import registry
 from tests.conftest import make_project_copy
 from tests.ops.conftest import World
 

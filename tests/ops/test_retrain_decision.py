@@ -1,4 +1,4 @@
-"""The retrain decision (`core.tracking.retrain_decision`), shared by the CLI and the pipeline's first node."""
+"""The retrain decision (`core.monitoring.retrain_decision`), shared by the CLI and the pipeline's first node."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from pathlib import Path
 import mlflow
 import pytest
 
-from diffusion_gr2.core.tracking import registry
-from diffusion_gr2.core.tracking.ingest import IngestConfig
-from diffusion_gr2.core.tracking.retrain_decision import NothingToRetrain, RetrainConfig, decide_retrain
+from diffusion_gr2.core.monitoring.ingest import IngestConfig
+from diffusion_gr2.core.monitoring.retrain_decision import NothingToRetrain, RetrainConfig, decide_retrain
+from diffusion_gr2.core.registry import registry
 from diffusion_gr2.parameters import load_parameters
 from tests.conftest import PROJECT_ROOT, make_project_copy, run_kedro
 from tests.ops.conftest import World

@@ -11,8 +11,8 @@ import pytest
 
 from diffusion_gr2.__main__ import ops
 from diffusion_gr2.core.rank.rerank import SERVED_DIFFUSION
-from diffusion_gr2.core.tracking import registry
-from diffusion_gr2.core.tracking.serving import SIGNATURE, RequestError
+from diffusion_gr2.core.registry import registry
+from diffusion_gr2.core.serving.serving import SIGNATURE, RequestError
 from diffusion_gr2.pipelines.retrain.nodes import register_models, run_gate
 from tests.ops.conftest import DECODING, World
 from tests.ops.test_gate import LONG, SERVING, params, policy, registering, requests

@@ -21,8 +21,8 @@ from pathlib import Path
 import mlflow
 import pytest
 
-from diffusion_gr2.core.tracking import registry
-from diffusion_gr2.core.tracking.request_log import (
+from diffusion_gr2.core.registry import registry
+from diffusion_gr2.core.serving.request_log import (
     RequestLogConfig,
     ServedModel,
     read_log,

@@ -11,8 +11,8 @@ import pytest
 from transformers import PreTrainedTokenizerFast
 
 from diffusion_gr2.core.model.factory import load_model
+from diffusion_gr2.core.serving.serving import Ranker, Request
 from diffusion_gr2.core.text.evidence import Evidence, EvidenceConfig, EvidenceTable, evidence_spec
-from diffusion_gr2.core.tracking.serving import Ranker, Request
 from tests.ops.conftest import World
 
 

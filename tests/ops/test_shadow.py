@@ -20,17 +20,17 @@ import pandas as pd
 import pytest
 import yaml
 
-from diffusion_gr2.core.tracking import registry
-from diffusion_gr2.core.tracking.gate import GateConfig, decide
-from diffusion_gr2.core.tracking.ingest import IngestConfig, ingest
-from diffusion_gr2.core.tracking.request_log import (
+from diffusion_gr2.core.monitoring.ingest import IngestConfig, ingest
+from diffusion_gr2.core.registry import registry
+from diffusion_gr2.core.registry.gate import GateConfig, decide
+from diffusion_gr2.core.registry.shadow import ShadowConfig, champion_requests, evaluate, next_interactions
+from diffusion_gr2.core.serving.request_log import (
     RequestLogConfig,
     ServedModel,
     read_log,
     server_environment,
 )
-from diffusion_gr2.core.tracking.serving import Limits, Ranker, Request
-from diffusion_gr2.core.tracking.shadow import ShadowConfig, champion_requests, evaluate, next_interactions
+from diffusion_gr2.core.serving.serving import Limits, Ranker, Request
 from diffusion_gr2.pipelines.retrain.nodes import run_gate
 from tests.ops.conftest import World
 from tests.ops.test_gate import params, policy, register, requests, side

@@ -10,7 +10,7 @@ from transformers import PreTrainedTokenizerFast
 
 from diffusion_gr2.core.model.factory import load_model
 from diffusion_gr2.core.rank.rerank import SERVED_DIFFUSION
-from diffusion_gr2.core.tracking import registry
+from diffusion_gr2.core.registry import registry
 from diffusion_gr2.pipelines.retrain import retrain_pipeline
 from diffusion_gr2.pipelines.retrain.pipeline import BUDGETED_NODES
 from diffusion_gr2.pipelines.retrain.warm import (
@@ -80,7 +80,7 @@ def test_the_plan_is_cold_without_a_champion_or_when_disabled(
     warm = plan_for(world, tmp_path)
     assert warm["warm"] and warm["budgets"] == PARAMS["budgets"]
     # the champion's folders, byte for byte, and named for the lineage walk as their producer wrote them
-    from diffusion_gr2.core.tracking.lineage import DigestCache
+    from diffusion_gr2.core.lineage.lineage import DigestCache
 
     digests = DigestCache()
     assert digests.digest(warm["models"][SERVED_DIFFUSION]["model"]) == digests.digest(world.models["rl"])

@@ -14,7 +14,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
 from diffusion_gr2.core.rank.rerank import RerankConfig, prepare_model
-from diffusion_gr2.core.tracking.mlflow_utils import MlflowTracker
+from diffusion_gr2.core.runs.mlflow_utils import MlflowTracker
 from diffusion_gr2.core.train.checkpoint import content_fingerprint
 from diffusion_gr2.core.train.grpo import GRPOConfig
 from diffusion_gr2.core.train.loop import TrainConfig, train

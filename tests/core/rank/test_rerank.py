@@ -37,10 +37,10 @@ from diffusion_gr2.core.rank.rerank import (
     rerank_system,
     select_requests,
 )
+from diffusion_gr2.core.runs.mlflow_utils import as_metrics_history
 from diffusion_gr2.core.text.parser import DUPLICATE_ID, INVALID_JSON, OK
 from diffusion_gr2.core.text.prompt import render_answer
 from diffusion_gr2.core.text.tokenizer import IM_END
-from diffusion_gr2.core.tracking.mlflow_utils import as_metrics_history
 from tests.core.model.tiny import tiny_model_for
 from tests.core.rank.world import make_world
 

@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 from transformers import PreTrainedModel
 
-from diffusion_gr2.core.decode.runner import CachedRunner, lean_forward, left_pad_prompts
+from diffusion_gr2.core.decode.runner import CachedRunner, lean_forward, left_pad_prompts, logit_columns
 from diffusion_gr2.core.model.masks import prompt_response_layout
 
 __all__ = ["DecodeStep", "StepRunner", "decode_steps"]
@@ -42,10 +42,9 @@ class DecodeStep:
 
     @property
     def logit_rows(self) -> int:
-        """LM-head rows the step computes per batch row (`CachedRunner.forward`'s columns)."""
-        if self.clean:  # the clean part's last position, then one row per canvas position but the last
-            return max(self.canvas, 1)
-        return self.canvas - self.lo  # the canvas alone: its positions lo .. q - 1
+        """LM-head rows the step computes per batch row (`runner.logit_columns`, the forward's own)."""
+        columns = logit_columns(self.clean, self.canvas, self.lo, checked=0)
+        return columns.stop - columns.start
 
 
 def decode_steps(k: int, widths: Sequence[int] = (2, 4, 8, 16)) -> dict[str, DecodeStep]:

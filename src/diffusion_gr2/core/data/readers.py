@@ -14,8 +14,12 @@ The dataset name ``ml-100k`` falls back to the copy embedded in the recbole whee
 from __future__ import annotations
 
 import logging
+import os
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+
+import pandas as pd
 
 from diffusion_gr2.core.data.amazon import read_amazon
 from diffusion_gr2.core.data.raw import DataQualityError, RawDataset, ReadConfig, check_reject_share
@@ -31,6 +35,7 @@ __all__ = [
     "ReadConfig",
     "detect_format",
     "read_dataset",
+    "read_interactions",
     "read_raw",
     "resolve_raw_folder",
 ]
@@ -153,6 +158,15 @@ def read_raw(folder: Path | str, config: ReadConfig | None = None) -> RawDataset
         )
     check_reject_share(raw, config.max_reject_share)
     return raw
+
+
+def read_interactions(files: list[Path]) -> pd.DataFrame:
+    """The interactions of `files` (raw files of one format, in any folders) read together by
+    `read_raw`, whatever share of their lines it rejects."""
+    with tempfile.TemporaryDirectory() as tmp:  # the reader takes a folder: link the files into one
+        for path in files:
+            os.symlink(Path(path).resolve(), Path(tmp) / Path(path).name)
+        return read_raw(tmp, ReadConfig(max_reject_share=1.0)).interactions
 
 
 def read_dataset(

@@ -11,7 +11,10 @@ the cache (a view) rather than a gathered copy. At batch 16 this cut the rows fe
 tau 0.9-0.4, validation). Rejected draft tokens leave holes (`with_holes`): keys nobody attends to.
 
 `RecomputeRunner` is the reference: no cache, the whole sequence re-run with the full mask; the
-equivalence tests decode with both.
+equivalence tests decode with both. Every runner (these two and `static.StaticRunner`) is a
+`BaseRunner`: one forward (what is fed, under which layout, which columns' logits come back) and one
+set of row bookkeeping, each runner saying only how it computes hidden states against its store of
+clean columns.
 """
 
 from __future__ import annotations
@@ -29,12 +32,14 @@ from diffusion_gr2.core.model.lean import LeanForward, lean_unsupported
 from diffusion_gr2.core.model.masks import Layout
 
 __all__ = [
+    "BaseRunner",
     "CachedRunner",
     "RecomputeRunner",
     "Runner",
     "Slots",
     "lean_forward",
     "left_pad_prompts",
+    "logit_columns",
     "resolved_backend",
     "with_holes",
 ]
@@ -109,21 +114,31 @@ def _fed_layout(
     return lay
 
 
-class CachedRunner:
-    """Forwards against an exact KV cache that holds the prompt and the committed (clean) blocks."""
+def logit_columns(c: int, q: int, lo: int, checked: int) -> slice:
+    """The columns of a forward's fed part `[clean c | canvas q]` whose logits it returns.
 
-    def __init__(self, model: PreTrainedModel, layout: Layout, lean: LeanForward | None = None) -> None:
-        self.model, self.layout, self.lean = model, layout, lean
-        self.cache = buffer_cache(model, layout.length)
-        self.n = 0  # columns held by the cache
-        self.slots = Slots(layout.block.shape[0], self._swap)
+    With a clean part: its last position (it predicts the block's first token) after the `checked`
+    before it, then every canvas position but the last (token shift: position i - 1 predicts token
+    i). Without one: canvas positions `lo - 1 .. q - 2` (the block's tokens `lo .. q - 1`).
+    """
+    if c:
+        return slice(c - 1 - checked, c + q - 1 if q else c)
+    return slice(lo - 1, q - 1)
 
-    def _swap(self, i: int, j: int) -> None:
-        for layer in self.cache.layers:
-            layer.swap_rows(i, j)
-        self.layout = self.layout.rows(
-            _transposition(self.layout.block.shape[0], i, j, self.layout.block.device)
-        )
+
+class BaseRunner:
+    """What every runner does alike: the forward's layout and logits, the rows' bookkeeping.
+
+    A runner holds the clean columns fed so far (`n` of them: the prompt, finished blocks) in a
+    store of its own: a KV cache, a static cache, or the token sequence itself. Its `_hidden` says
+    how a forward's hidden states are computed against that store, and `_keep_rows`, `_swap_rows`,
+    `_drop_columns` how the store follows the slots and loses rejected draft columns.
+    """
+
+    model: PreTrainedModel
+    layout: Layout  # the slots' rows: every column a batch can reach
+    n: int  # clean columns held (a KV cache's length)
+    slots: Slots
 
     def forward(
         self,
@@ -145,13 +160,75 @@ class CachedRunner:
         alone): also the logits that predicted the clean part's last `checked` tokens, first (AR:
         jump-forward checks what the model would have written there, and a draft's tokens are
         verified by the logits that predicted them). `reblock`: the canvas's block ids for this
-        forward only (drafts), which the mask then reads.
+        forward only (drafts), which the mask then reads. The clean part stays in the store, the
+        canvas does not.
         """
         c = 0 if clean is None else clean.shape[1]
         q = 0 if canvas is None else canvas.shape[1]
         ids = canvas if clean is None else clean if canvas is None else torch.cat([clean, canvas], 1)
-        end = self.n + c + q
-        lay = _fed_layout(self.layout, end, ids.shape[0], self.n + c, canvas_valid, reblock)
+        lay = _fed_layout(self.layout, self.n + c + q, ids.shape[0], self.n + c, canvas_valid, reblock)
+        hidden = self._hidden(ids, lay, c, reblock)  # [b, >= c + q, h]: the fed columns first
+        self.n += c
+        return lm_logits(self.model, hidden[:, logit_columns(c, q, lo, checked)])
+
+    def _hidden(self, ids: Tensor, lay: Layout, c: int, reblock: Reblock | None) -> Tensor:
+        """Hidden states of `ids` (`[clean c | canvas]`, fed after the `n` clean columns) under `lay`,
+        the layout's first `n + c + q` columns; the store takes the clean part only."""
+        raise NotImplementedError
+
+    def _keep_rows(self, index: Tensor) -> None:
+        """The store keeps slots `index`, in that order, as its first rows."""
+        raise NotImplementedError
+
+    def _swap_rows(self, i: int, j: int, perm: Tensor) -> None:
+        """The store exchanges slots i and j (`perm`: that transposition of every slot)."""
+        raise NotImplementedError
+
+    def _drop_columns(self, drop: int) -> None:
+        """The store loses its last `drop` clean columns (`n` still counts them)."""
+        raise NotImplementedError
+
+    def _swap(self, i: int, j: int) -> None:
+        perm = _transposition(self.layout.block.shape[0], i, j, self.layout.block.device)
+        self._swap_rows(i, j, perm)
+        self.layout = self.layout.rows(perm)
+
+    def keep(self, rows: Sequence[int]) -> None:
+        """Keep batch rows `rows` only, in that order (the slots are back in row order)."""
+        index = torch.tensor(self.slots.of(rows), device=self.layout.block.device)
+        self._keep_rows(index)
+        self.layout = self.layout.rows(index)
+        self.slots = Slots(len(rows), self._swap)
+
+    def reject(self, kept: Sequence[int], fed: int) -> None:
+        """Of the last forward's last `fed` clean columns (a draft), batch row i keeps the first `kept[i]`.
+
+        Columns no row kept leave the store; a row that kept fewer than the most leaves holes
+        (`with_holes`).
+        """
+        top = max(kept)
+        if top < fed:
+            self._drop_columns(fed - top)
+            self.n -= fed - top
+        self.layout = with_holes(self.layout, self.n, self.slots.per_slot([top - k for k in kept]))
+
+    def leave_holes(self, c: int, holes: Sequence[int]) -> None:
+        """Before feeding `c` clean columns, right-padded per slot: the last `holes[s]` of slot s are
+        holes (a drafter's rows that wrote fewer tokens than the most)."""
+        self.layout = with_holes(self.layout, self.n + c, holes)
+
+
+class CachedRunner(BaseRunner):
+    """Forwards against an exact KV cache that holds the prompt and the committed (clean) blocks."""
+
+    def __init__(self, model: PreTrainedModel, layout: Layout, lean: LeanForward | None = None) -> None:
+        self.model, self.layout, self.lean = model, layout, lean
+        self.cache = buffer_cache(model, layout.length)
+        self.n = 0
+        self.slots = Slots(layout.block.shape[0], self._swap)
+
+    def _hidden(self, ids: Tensor, lay: Layout, c: int, reblock: Reblock | None) -> Tensor:
+        q = ids.shape[1] - c
         # The prompt needs the predicate's mask (causal, padded queries); a clean block beside a canvas
         # (it must not see it) and several clean tokens (AR jump-forward: causal) need block order;
         # anything else sees every valid key: a broadcast row.
@@ -162,91 +239,49 @@ class CachedRunner:
         )
         if q:
             self.cache.crop(-q)  # negative = number of tokens to drop (transformers 5)
-        self.n += c
-        cols = slice(c - 1 - checked, c + q - 1 if q else c) if c else slice(lo - 1, q - 1)
-        return lm_logits(self.model, hidden[:, cols])
+        return hidden
 
-    def keep(self, rows: Sequence[int]) -> None:
-        """Keep batch rows `rows` only, in that order (the slots are back in row order)."""
-        index = torch.tensor(self.slots.of(rows), device=self.layout.block.device)
+    def _keep_rows(self, index: Tensor) -> None:
         self.cache.batch_select_indices(index)
-        self.layout = self.layout.rows(index)
-        self.slots = Slots(len(rows), self._swap)
 
-    def reject(self, kept: Sequence[int], fed: int) -> None:
-        """Of the last forward's last `fed` clean columns (a draft), batch row i keeps the first `kept[i]`.
+    def _swap_rows(self, i: int, j: int, perm: Tensor) -> None:
+        for layer in self.cache.layers:
+            layer.swap_rows(i, j)
 
-        Columns no row kept are cropped off the cache; a row that kept fewer than the most leaves
-        holes (`with_holes`).
-        """
-        top = max(kept)
-        if top < fed:
-            self.cache.crop(top - fed)  # negative = number of tokens to drop (transformers 5)
-            self.n -= fed - top
-        self.layout = with_holes(self.layout, self.n, self.slots.per_slot([top - k for k in kept]))
-
-    def leave_holes(self, c: int, holes: Sequence[int]) -> None:
-        """Before feeding `c` clean columns, right-padded per slot: the last `holes[s]` of slot s are
-        holes (a drafter's rows that wrote fewer tokens than the most)."""
-        self.layout = with_holes(self.layout, self.n + c, holes)
+    def _drop_columns(self, drop: int) -> None:
+        self.cache.crop(-drop)  # negative = number of tokens to drop (transformers 5)
 
 
-class RecomputeRunner:
+class RecomputeRunner(BaseRunner):
     """The reference twin of `CachedRunner`: no cache, the whole sequence re-run with the full mask."""
 
     def __init__(self, model: PreTrainedModel, layout: Layout) -> None:
         self.model, self.layout = model, layout
         self.seq: Tensor | None = None  # every clean token so far
+        self.n = 0
         self.slots = Slots(layout.block.shape[0], self._swap)
 
-    def _swap(self, i: int, j: int) -> None:
-        perm = _transposition(self.layout.block.shape[0], i, j, self.layout.block.device)
-        assert self.seq is not None
-        self.seq, self.layout = self.seq[perm], self.layout.rows(perm)
-
-    def forward(
-        self,
-        clean: Tensor | None,
-        canvas: Tensor | None,
-        canvas_valid: Tensor | None,
-        lo: int = 0,
-        checked: int = 0,
-        reblock: Reblock | None = None,
-    ) -> Tensor:
-        """`CachedRunner.forward`, computed from scratch (the predicate's mask reads block ids anyway)."""
-        if clean is not None:
+    def _hidden(self, ids: Tensor, lay: Layout, c: int, reblock: Reblock | None) -> Tensor:
+        """The whole sequence computed from scratch (the predicate's mask reads block ids anyway)."""
+        if c:
+            clean = ids[:, :c]
             self.seq = clean if self.seq is None else torch.cat([self.seq, clean], 1)
         assert self.seq is not None, "the first forward carries the prompt"
-        rows = (clean if canvas is None else canvas).shape[0]
-        n, q = self.seq.shape[1], 0 if canvas is None else canvas.shape[1]
-        lay = _fed_layout(self.layout, n + q, rows, n, canvas_valid, reblock)
-        seq = self.seq[:rows]
-        ids = seq if canvas is None else torch.cat([seq, canvas], 1)
-        hidden = layout_hidden(self.model, ids, lay)
-        cols = (
-            slice(n - 1 - checked, n + q - 1 if q else n)
-            if clean is not None
-            else slice(n + lo - 1, n + q - 1)
-        )
-        return lm_logits(self.model, hidden[:, cols])
+        seq = self.seq[: ids.shape[0]]
+        whole = seq if ids.shape[1] == c else torch.cat([seq, ids[:, c:]], 1)
+        return layout_hidden(self.model, whole, lay)[:, self.n :]
 
-    def keep(self, rows: Sequence[int]) -> None:
+    def _keep_rows(self, index: Tensor) -> None:
         assert self.seq is not None
-        index = torch.tensor(self.slots.of(rows), device=self.seq.device)
-        self.seq, self.layout = self.seq[index], self.layout.rows(index)
-        self.slots = Slots(len(rows), self._swap)
+        self.seq = self.seq[index]
 
-    @property
-    def n(self) -> int:
-        """Clean columns so far (the cached runner's cache length)."""
-        return 0 if self.seq is None else self.seq.shape[1]
-
-    def reject(self, kept: Sequence[int], fed: int) -> None:
-        """`CachedRunner.reject`: the columns no row kept leave the sequence, the others are holes."""
+    def _swap_rows(self, i: int, j: int, perm: Tensor) -> None:
         assert self.seq is not None
-        top = max(kept)
-        self.seq = self.seq[:, : self.n - (fed - top)]
-        self.layout = with_holes(self.layout, self.n, self.slots.per_slot([top - k for k in kept]))
+        self.seq = self.seq[perm]
+
+    def _drop_columns(self, drop: int) -> None:
+        assert self.seq is not None
+        self.seq = self.seq[:, : self.n - drop]
 
 
 Runner = CachedRunner | RecomputeRunner

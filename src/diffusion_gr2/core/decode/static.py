@@ -32,16 +32,15 @@ from __future__ import annotations
 import logging
 import math
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 from transformers import PreTrainedModel
 
-from diffusion_gr2.core.decode.runner import Reblock, Slots, _fed_layout, _transposition, with_holes
+from diffusion_gr2.core.decode.runner import BaseRunner, Reblock, Slots
 from diffusion_gr2.core.decode.static_cache import ROOM, StaticCache, static_mask, step_width
-from diffusion_gr2.core.model.diffusion import lm_logits
 from diffusion_gr2.core.model.lean import LeanForward, lean_unsupported
 from diffusion_gr2.core.model.masks import Layout
 
@@ -156,7 +155,7 @@ def engine_for(model: PreTrainedModel, rows: int, length: int, graphs: bool) -> 
     return engine
 
 
-class StaticRunner:
+class StaticRunner(BaseRunner):
     """Forwards of `[clean | canvas]` as fixed-width static steps against a fixed-capacity cache."""
 
     def __init__(self, model: PreTrainedModel, layout: Layout, block_size: int, graphs: bool) -> None:
@@ -166,13 +165,8 @@ class StaticRunner:
             logger.debug("cuda_graphs on %s: the static step runs eagerly", model.device)
         self.engine = engine_for(model, rows, layout.length, graphs)
         self.cache = self.engine.cache
-        self.n = 0  # columns of the cache holding clean tokens
+        self.n = 0
         self.slots = Slots(rows, self._swap)
-
-    def _swap(self, i: int, j: int) -> None:
-        self.cache.swap_rows(i, j)
-        perm = _transposition(self.layout.block.shape[0], i, j, self.layout.block.device)
-        self.layout = self.layout.rows(perm)
 
     def _inputs(self, ids: Tensor, lay: Layout, width: int) -> StepInputs:
         """The step's tensors: `ids` `[b, c + q]` padded to `width`, at the layout's positions."""
@@ -186,43 +180,19 @@ class StaticRunner:
         mask = static_mask(lay, self.n, width, self.cache.capacity, own=self.n == 0)
         return StepInputs(padded, position, slots, mask)
 
-    def forward(
-        self,
-        clean: Tensor | None,
-        canvas: Tensor | None,
-        canvas_valid: Tensor | None,
-        lo: int = 0,
-        checked: int = 0,
-        reblock: Reblock | None = None,
-    ) -> Tensor:
-        """`runner.CachedRunner.forward`, as one static step: logits `[b, m, v]` of the block's
-        tokens `lo .. q - 1` (with `clean`: of its last `checked` tokens and the block's first)."""
-        c = 0 if clean is None else clean.shape[1]
-        q = 0 if canvas is None else canvas.shape[1]
-        ids = canvas if clean is None else clean if canvas is None else torch.cat([clean, canvas], 1)
-        end = self.n + c + q
-        lay = _fed_layout(self.layout, end, ids.shape[0], self.n + c, canvas_valid, reblock)
+    def _hidden(self, ids: Tensor, lay: Layout, c: int, reblock: Reblock | None) -> Tensor:
+        """One static step: hidden states of all its `width` columns (the fed ones first). The
+        canvas's keys stay in slots past `n`, dead until overwritten; `lay` holds any `reblock`."""
         # the prefill (any prompt width) and a step that would overrun the cache run at their width
-        width = step_width(c, q, self.k)
+        width = step_width(c, ids.shape[1] - c, self.k)
         exact = self.n == 0 or self.n + width > self.cache.capacity
-        hidden = self.engine.run(self._inputs(ids, lay, c + q if exact else width), exact)  # [b, w, h]
-        self.n += c  # the canvas's keys stay in slots past `n`: dead until overwritten
-        cols = slice(c - 1 - checked, c + q - 1 if q else c) if c else slice(lo - 1, q - 1)
-        return lm_logits(self.model, hidden[:, cols])
+        return self.engine.run(self._inputs(ids, lay, ids.shape[1] if exact else width), exact)
 
-    def keep(self, rows: Sequence[int]) -> None:
-        """Keep batch rows `rows` only, in that order, in the first rows of the same buffers."""
-        index = torch.tensor(self.slots.of(rows), device=self.layout.block.device)
-        self.cache.keep(index)
-        self.layout = self.layout.rows(index)
-        self.slots = Slots(len(rows), self._swap)
+    def _keep_rows(self, index: Tensor) -> None:
+        self.cache.keep(index)  # in the first rows of the same buffers (captured graphs read them)
 
-    def reject(self, kept: Sequence[int], fed: int) -> None:
-        """`runner.CachedRunner.reject`: columns no row kept are dropped, the others become holes."""
-        top = max(kept)
-        self.n -= fed - top
-        self.layout = with_holes(self.layout, self.n, self.slots.per_slot([top - k for k in kept]))
+    def _swap_rows(self, i: int, j: int, perm: Tensor) -> None:
+        self.cache.swap_rows(i, j)
 
-    def leave_holes(self, c: int, holes: Sequence[int]) -> None:
-        """`runner.CachedRunner.leave_holes`."""
-        self.layout = with_holes(self.layout, self.n + c, holes)
+    def _drop_columns(self, drop: int) -> None:
+        pass  # the columns past `n` are dead until overwritten, as a canvas's are

@@ -2,7 +2,7 @@
 
 Two places decide whether a model may serve: the operating point's choice on validation
 (`core/rank/operating_point.py`) and the registration gate on the newest test requests
-(`core/tracking/gate.py`). Both read one `Policy`, built from conf's `policy` block and handed to
+(`core/registry/gate.py`). Both read one `Policy`, built from conf's `policy` block and handed to
 both by the pipelines' nodes, so a floor or a level cannot differ between them:
 
 * `min_unforced_rate`: the model's own valid rate (answers decoded without the grammar that the

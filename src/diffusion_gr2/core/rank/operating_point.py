@@ -273,7 +273,7 @@ def choose_operating_point(
     admitted candidate side by side, `operating_point.timing`); ties in speed go to the higher R@1.
     The speed floor reads the timed speed-up over `reference` at `speed_batch_size`
     (`timed_speed_ratio`: the median over the timing rounds), the measure of the registration gate's
-    speed check (`tracking/gate.py`, which then asks the low end of its own interval). The median,
+    speed check (`registry/gate.py`, which then asks the low end of its own interval). The median,
     not the low end: with 3 rounds the low end is the slowest round, and one slow round refused rl at
     tau 0.9 (1.12x median at batch 1) in one of two repeats.
     `reference_recall` (the reference's R@1 on those requests) is recorded beside the choice.

@@ -77,7 +77,7 @@ class TrainConfig:
 
 
 class Tracker(Protocol):
-    """Anything that records metrics (an MLflow adapter lives in ``core/tracking``)."""
+    """Anything that records metrics (an MLflow adapter lives in ``core/runs/mlflow_utils.py``)."""
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None: ...
 

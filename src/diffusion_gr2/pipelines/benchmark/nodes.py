@@ -14,7 +14,7 @@ from diffusion_gr2.core.bench.benchmark import BENCHMARK_KEYS, BenchmarkConfig, 
 from diffusion_gr2.core.evaluate.plots import speedup_by_batch_figure, speedup_by_length_figure
 from diffusion_gr2.core.evaluate.rankings import system_key
 from diffusion_gr2.core.rank.rerank import RerankConfig
-from diffusion_gr2.core.tracking.mlflow_utils import as_metrics_history
+from diffusion_gr2.core.runs.mlflow_utils import as_metrics_history
 
 # What each row logs to MLflow: the row's keys (`BENCHMARK_KEYS`, the one list) less its setting (the
 # metric's name says it), what is not a number, and the mean output length (a property of the requests,

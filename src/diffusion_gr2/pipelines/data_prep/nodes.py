@@ -12,7 +12,7 @@ from diffusion_gr2.core.data.prepare import PrepConfig, prepare
 from diffusion_gr2.core.data.raw import ReadConfig
 from diffusion_gr2.core.data.readers import read_dataset
 from diffusion_gr2.core.data.schemas import rejects_schema, validate
-from diffusion_gr2.core.tracking.mlflow_utils import as_metrics_history
+from diffusion_gr2.core.runs.mlflow_utils import as_metrics_history
 
 
 def prepare_dataset(params: dict[str, Any]) -> dict[str, Any]:

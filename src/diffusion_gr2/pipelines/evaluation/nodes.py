@@ -30,7 +30,7 @@ from diffusion_gr2.core.evaluate.report import (
     report_figures,
     report_run,
 )
-from diffusion_gr2.core.tracking.mlflow_utils import as_metrics_history
+from diffusion_gr2.core.runs.mlflow_utils import as_metrics_history
 
 
 def _config(params: dict[str, Any]) -> EvaluationConfig:

@@ -42,7 +42,7 @@ from diffusion_gr2.core.rank.rerank import (
     rerank_system,
     select_requests,
 )
-from diffusion_gr2.core.tracking.mlflow_utils import as_metrics_history
+from diffusion_gr2.core.runs.mlflow_utils import as_metrics_history
 
 
 def _split_requests(requests: pd.DataFrame, params: dict[str, Any], split: str) -> pd.DataFrame:

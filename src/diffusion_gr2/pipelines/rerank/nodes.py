@@ -1,5 +1,5 @@
 """rerank nodes (batch re-ranking): the served model over request files, streamed and resumable
-(docs/operations.md#batch-re-ranking; the algorithm: core/tracking/batch.py)."""
+(docs/operations.md#batch-re-ranking; the algorithm: core/serving/batch.py)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from typing import Any
 import mlflow
 import torch
 
-from diffusion_gr2.core.tracking.batch import BatchJob, RequestFiles, job_key, summarize
-from diffusion_gr2.core.tracking.registry import resolve_uri
-from diffusion_gr2.core.tracking.request_log import RequestLogConfig, ServedModel, open_log
+from diffusion_gr2.core.registry.registry import resolve_uri
+from diffusion_gr2.core.serving.batch import BatchJob, RequestFiles, job_key, summarize
+from diffusion_gr2.core.serving.request_log import RequestLogConfig, ServedModel, open_log
 from diffusion_gr2.core.train.checkpoint import content_fingerprint
 
 

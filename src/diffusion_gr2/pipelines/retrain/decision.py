@@ -1,4 +1,4 @@
-"""The retrain pipeline's first node: retrain, or stop here (`core.tracking.retrain_decision`).
+"""The retrain pipeline's first node: retrain, or stop here (`core.monitoring.retrain_decision`).
 
 `decide_retrain` makes the decision `python -m diffusion_gr2 retrain` makes, through the same function.
 How the run then stops depends on what runs it: the Airflow task of this node reads the decision and
@@ -15,8 +15,8 @@ from typing import Any
 import mlflow
 from mlflow import MlflowClient
 
-from diffusion_gr2.core.tracking.drift import render_html
-from diffusion_gr2.core.tracking.retrain_decision import NothingToRetrain, decide_from_params
+from diffusion_gr2.core.monitoring.drift import render_html
+from diffusion_gr2.core.monitoring.retrain_decision import NothingToRetrain, decide_from_params
 
 DECISION_NODE = "decide_retrain"
 DECISION = "retrain_decision"  # the dataset: conf/airflow/ writes it to a file for the next task

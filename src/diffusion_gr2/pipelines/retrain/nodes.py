@@ -14,23 +14,24 @@ import pandas as pd
 
 from diffusion_gr2.core.bench.benchmark import candidate_timer
 from diffusion_gr2.core.evaluate.policy import Policy
-from diffusion_gr2.core.rank.point_search import OperatingPointConfig, search_beside_reference
-from diffusion_gr2.core.rank.rerank import SERVED_DIFFUSION, RerankConfig, select_requests
-from diffusion_gr2.core.tracking import model_card, registry, shadow
-from diffusion_gr2.core.tracking.gate import GateConfig, newest_slice
-from diffusion_gr2.core.tracking.ingest import (
+from diffusion_gr2.core.lineage import model_card
+from diffusion_gr2.core.lineage.lineage import DigestCache
+from diffusion_gr2.core.monitoring.ingest import (
     IngestConfig,
     acquire_lock,
     delivered_interactions,
     ingest,
     release_lock,
 )
-from diffusion_gr2.core.tracking.lineage import DigestCache
-from diffusion_gr2.core.tracking.mlflow_utils import as_metrics_history
-from diffusion_gr2.core.tracking.promotion import gate_and_promote
-from diffusion_gr2.core.tracking.request_log import RequestLogConfig, read_log
-from diffusion_gr2.core.tracking.retrain_decision import RetrainConfig
-from diffusion_gr2.core.tracking.serving import PRERANK, Ranker, ServingConfig
+from diffusion_gr2.core.monitoring.retrain_decision import RetrainConfig
+from diffusion_gr2.core.rank.point_search import OperatingPointConfig, search_beside_reference
+from diffusion_gr2.core.rank.rerank import SERVED_DIFFUSION, RerankConfig, select_requests
+from diffusion_gr2.core.registry import registry, shadow
+from diffusion_gr2.core.registry.gate import GateConfig, newest_slice
+from diffusion_gr2.core.registry.promotion import gate_and_promote
+from diffusion_gr2.core.runs.mlflow_utils import as_metrics_history
+from diffusion_gr2.core.serving.request_log import RequestLogConfig, read_log
+from diffusion_gr2.core.serving.serving import PRERANK, Ranker, ServingConfig
 
 logger = logging.getLogger(__name__)
 
@@ -186,7 +187,7 @@ def register_models(
     The model objects only order the node after training; the saved folders are what is registered.
     When the diffusion system has no operating point it is not registered (a model validation refused
     never becomes a challenger): its version is None and `not_registered` says why; the teacher still
-    is, and goes through its own gate (`core/tracking/promotion.py`). `params`: `retrain`, of which
+    is, and goes through its own gate (`core/registry/promotion.py`). `params`: `retrain`, of which
     `register` (`RegisterConfig`) is read here. Where the prompts showed `evidence`, each model's
     version carries its spec and the training sequences it is counted on, so it serves the prompts
     it was trained on.

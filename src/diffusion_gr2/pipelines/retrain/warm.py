@@ -31,8 +31,8 @@ import pandas as pd
 from mlflow import MlflowClient
 
 from diffusion_gr2.core.rank.rerank import SERVED_DIFFUSION
-from diffusion_gr2.core.tracking import registry
-from diffusion_gr2.core.tracking.mlflow_utils import as_metrics_history
+from diffusion_gr2.core.registry import registry
+from diffusion_gr2.core.runs.mlflow_utils import as_metrics_history
 
 logger = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ from diffusion_gr2.core.retrieval.evaluation import (
 )
 from diffusion_gr2.core.retrieval.sasrec import RetrieverConfig, score_users, train_retriever
 from diffusion_gr2.core.retrieval.validation import check_candidates, validate_candidates
-from diffusion_gr2.core.tracking.mlflow_utils import as_metrics_history
+from diffusion_gr2.core.runs.mlflow_utils import as_metrics_history
 
 
 def retrieve_candidates(

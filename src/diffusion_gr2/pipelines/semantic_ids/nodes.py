@@ -8,9 +8,9 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from diffusion_gr2.core.runs.mlflow_utils import as_metrics_history
 from diffusion_gr2.core.sid.embeddings import embed_items, item_text
 from diffusion_gr2.core.sid.rqvae import RQVAEConfig, fit_semantic_ids, sids_frame
-from diffusion_gr2.core.tracking.mlflow_utils import as_metrics_history
 
 
 def embed_item_texts(items: pd.DataFrame, params: dict[str, Any]) -> tuple[pd.DataFrame, dict[str, Any]]:

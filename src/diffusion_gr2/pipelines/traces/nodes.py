@@ -14,6 +14,7 @@ from diffusion_gr2.core.data.schemas import validate_requests
 from diffusion_gr2.core.evaluate.metrics import paired_bootstrap
 from diffusion_gr2.core.evaluate.policy import Policy
 from diffusion_gr2.core.model.factory import ModelSpec, load_pretrained_tokenizer
+from diffusion_gr2.core.runs.mlflow_utils import as_metrics_history
 from diffusion_gr2.core.text.evidence import (
     Evidence,
     EvidenceConfig,
@@ -42,7 +43,6 @@ from diffusion_gr2.core.text.traces import (
     sft_frame,
     sft_rows_from_frame,
 )
-from diffusion_gr2.core.tracking.mlflow_utils import as_metrics_history
 
 
 def _lookup(items: pd.DataFrame, sids: pd.DataFrame, params: dict[str, Any]) -> ItemLookup:

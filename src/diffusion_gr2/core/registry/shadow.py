@@ -2,7 +2,7 @@
 (docs/operations.md#retraining).
 
 The gate's own slice is the offline test split; this is the traffic the champion actually answered
-(`core/tracking/request_log.py`). The challenger re-ranks the last `last_requests` rows the served
+(`core/serving/request_log.py`). The challenger re-ranks the last `last_requests` rows the served
 champion logged, and the gate gets checks on:
 
 * agreement with what was served: the share with the same top-1, and the mean Kendall tau between
@@ -44,9 +44,9 @@ from scipy.stats import kendalltau
 from diffusion_gr2.core.base.speed import speedup
 from diffusion_gr2.core.evaluate.metrics import paired_bootstrap
 from diffusion_gr2.core.evaluate.policy import clears
-from diffusion_gr2.core.tracking.gate import Check, GateConfig, at_least, servable
-from diffusion_gr2.core.tracking.registry import VersionRef
-from diffusion_gr2.core.tracking.serving import PrerankRanker, Ranker
+from diffusion_gr2.core.registry.gate import Check, GateConfig, at_least, servable
+from diffusion_gr2.core.registry.registry import VersionRef
+from diffusion_gr2.core.serving.serving import PrerankRanker, Ranker
 
 logger = logging.getLogger(__name__)
 

@@ -33,10 +33,10 @@ from mlflow import MlflowClient
 from mlflow.entities.model_registry import ModelVersion
 from mlflow.exceptions import MlflowException
 
-from diffusion_gr2.core.tracking.mlflow_utils import NotFoundError, model_version, registered_model
+from diffusion_gr2.core.runs.mlflow_utils import NotFoundError, model_version, registered_model
 
 if TYPE_CHECKING:  # serving imports torch and the decoder: ~7 s the read-only commands do not need
-    from diffusion_gr2.core.tracking.serving import ServingConfig
+    from diffusion_gr2.core.serving.serving import ServingConfig
 
 logger = logging.getLogger(__name__)
 
@@ -124,7 +124,7 @@ def register_reranker(
     Without an active run a run named ``register-<name>`` is opened for it. A ``prerank`` system has
     no model (`model_dir` None): it is a `PrerankModel` on the catalogue.
     """
-    from diffusion_gr2.core.tracking.serving import (
+    from diffusion_gr2.core.serving.serving import (
         INPUT_EXAMPLE,
         PRERANK,
         SEQUENCES_FILE,

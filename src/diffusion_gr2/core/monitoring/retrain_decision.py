@@ -12,7 +12,7 @@ and stays as it was), and nothing is trained or registered.
 node (`decide_retrain`) asks again, so a plain ``kedro run --pipelines retrain`` and the Airflow DAG
 (its first task, then every other task skipped) stop on the same answer.
 
-Each delivery is also compared with the champion's training window (`core.tracking.drift`); the
+Each delivery is also compared with the champion's training window (`core.monitoring.drift`); the
 summary joins the reason. Fewer new rows than ``min_new_rows`` wait in the incoming folder for more,
 unless strong drift forces a retrain (``drift.force_retrain``); ``trigger`` says which rule decided.
 """
@@ -29,20 +29,19 @@ from typing import Any
 import pandas as pd
 from mlflow import MlflowClient
 
-from diffusion_gr2.core.data.readers import classify_file, detect_format
+from diffusion_gr2.core.data.readers import classify_file, detect_format, read_interactions
 from diffusion_gr2.core.io import atomic_write_text
-from diffusion_gr2.core.tracking import registry
-from diffusion_gr2.core.tracking.drift import DriftConfig, drift_report
-from diffusion_gr2.core.tracking.ingest import (
+from diffusion_gr2.core.lineage.lineage import file_md5
+from diffusion_gr2.core.lineage.lineage_report import raw_inputs
+from diffusion_gr2.core.monitoring.drift import DriftConfig, drift_report
+from diffusion_gr2.core.monitoring.ingest import (
     IngestConfig,
     acquire_lock,
     ingest,
     pending_delivery,
-    read_interactions,
     release_lock,
 )
-from diffusion_gr2.core.tracking.lineage import file_md5
-from diffusion_gr2.core.tracking.lineage_report import raw_inputs
+from diffusion_gr2.core.registry import registry
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +63,7 @@ class NothingToRetrain(RuntimeError):
 
 
 # The sections of `retrain` that other typed configs read: IngestConfig, DriftConfig, GateConfig,
-# ShadowConfig (core/tracking), RegisterConfig and the warm-start plan (pipelines/retrain).
+# ShadowConfig (core/registry/shadow.py), RegisterConfig and the warm-start plan (pipelines/retrain).
 RETRAIN_SECTIONS = frozenset({"ingest", "drift", "warm_start", "register", "gate", "shadow"})
 
 
@@ -107,7 +106,7 @@ class RetrainDecision:
     # the rule that decided: forced | no_champion | new_rows | drift (strong drift below the
     # minimum) | waiting (new rows below the minimum, left in incoming/) | nothing_new
     trigger: str
-    drift: dict[str, Any] | None  # the drift report (`core.tracking.drift`); None: off or nothing new
+    drift: dict[str, Any] | None  # the drift report (`core.monitoring.drift`); None: off or nothing new
     # files this decision moved to quarantine (nothing new only): a delivery a person must look at
     quarantined: int = 0
 

@@ -16,7 +16,7 @@ the retriever's order (the candidates as sent), validated the same way and answe
 format, labelled ``system: prerank``. A malformed request raises `RequestError` (an `MlflowException` with
 INVALID_PARAMETER_VALUE), which the scoring server returns as HTTP 400 with the reason.
 
-Both append every answered request to the request log (`core/tracking/request_log.py`) when the
+Both append every answered request to the request log (`core/serving/request_log.py`) when the
 launcher (`python -m diffusion_gr2 serve`) put its settings in the environment; a request may carry
 the raw `user_id`, which only the log reads (the shadow evaluation joins the user's next interaction).
 """
@@ -49,11 +49,11 @@ from diffusion_gr2.core.rank.rerank import (
     own_validity,
     prepare_model,
 )
+from diffusion_gr2.core.serving.request_log import RequestLogConfig, ServedModel, log_rows, open_log
 from diffusion_gr2.core.text.evidence import Evidence, evidence_from_spec
 from diffusion_gr2.core.text.parser import apply_fallback, parse_answer
 from diffusion_gr2.core.text.prompt import ItemLookup, PromptConfig, build_messages
 from diffusion_gr2.core.text.tokenizer import IM_END, decode_response, encode_prompt
-from diffusion_gr2.core.tracking.request_log import RequestLogConfig, ServedModel, log_rows, open_log
 
 logger = logging.getLogger(__name__)
 

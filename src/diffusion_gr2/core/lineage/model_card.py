@@ -27,12 +27,11 @@ from mlflow import MlflowClient
 from mlflow.exceptions import MlflowException
 
 from diffusion_gr2.core.base.manifest import read_report
-from diffusion_gr2.core.data.readers import classify_file
+from diffusion_gr2.core.data.readers import classify_file, read_interactions
 from diffusion_gr2.core.evaluate.tables import markdown_table
-from diffusion_gr2.core.tracking.ingest import read_interactions
-from diffusion_gr2.core.tracking.lineage import file_md5
-from diffusion_gr2.core.tracking.lineage_report import Lineage, raw_inputs
-from diffusion_gr2.core.tracking.mlflow_utils import NotFoundError, model_version, version_by_alias
+from diffusion_gr2.core.lineage.lineage import file_md5
+from diffusion_gr2.core.lineage.lineage_report import Lineage, raw_inputs
+from diffusion_gr2.core.runs.mlflow_utils import NotFoundError, model_version, version_by_alias
 
 logger = logging.getLogger(__name__)
 
@@ -312,7 +311,7 @@ def publish_card(
     name: str, version: str, gate: dict[str, Any] | None, client: MlflowClient, config: CardConfig
 ) -> str:
     """Write the card of `name` `version` among its model artifacts (and tag the version); the card."""
-    from diffusion_gr2.core.tracking.lineage import machine
+    from diffusion_gr2.core.lineage.lineage import machine
 
     facts = card_facts(name, version, gate, client, config)
     timing = machine()
@@ -339,7 +338,7 @@ def publish_cards(
     A card that cannot be written is logged and tagged on the version with the reason: the gate's
     decision and the promotion stand either way.
     """
-    from diffusion_gr2.core.tracking import registry
+    from diffusion_gr2.core.registry import registry
 
     client, config = client or MlflowClient(), config or CardConfig()
     judged = {

@@ -27,8 +27,8 @@ from mlflow import MlflowClient
 from mlflow.entities import Run
 from mlflow.entities.model_registry import ModelVersion
 
-from diffusion_gr2.core.tracking.lineage import NODES_ARTIFACT_DIR, PRODUCED_TAG, DigestCache
-from diffusion_gr2.core.tracking.mlflow_utils import get_run, model_version, version_by_alias
+from diffusion_gr2.core.lineage.lineage import NODES_ARTIFACT_DIR, PRODUCED_TAG, DigestCache
+from diffusion_gr2.core.runs.mlflow_utils import get_run, model_version, version_by_alias
 
 __all__ = [
     "KEY_PARAM_WORDS",

@@ -18,8 +18,8 @@ from typing import Any
 import pandas as pd
 from mlflow import MlflowClient
 
-from diffusion_gr2.core.tracking import registry
-from diffusion_gr2.core.tracking.gate import (
+from diffusion_gr2.core.registry import registry
+from diffusion_gr2.core.registry.gate import (
     GateConfig,
     decide,
     decide_teacher,
@@ -28,7 +28,7 @@ from diffusion_gr2.core.tracking.gate import (
     servable,
     speeds,
 )
-from diffusion_gr2.core.tracking.serving import Ranker
+from diffusion_gr2.core.serving.serving import Ranker
 
 logger = logging.getLogger(__name__)
 

@@ -31,8 +31,8 @@ import pandas as pd
 from tqdm.auto import tqdm
 
 from diffusion_gr2.core.decode.shards import Shards, launch_shards, shared_decoding
-from diffusion_gr2.core.tracking.request_log import RequestLog, ServedModel, log_rows
-from diffusion_gr2.core.tracking.serving import RequestError, parse_request
+from diffusion_gr2.core.serving.request_log import RequestLog, ServedModel, log_rows
+from diffusion_gr2.core.serving.serving import RequestError, parse_request
 
 __all__ = ["ANSWER_COLUMNS", "FORMATS", "answer_schema", "BatchJob", "RequestFiles", "job_key", "summarize"]
 
@@ -50,6 +50,7 @@ ANSWER_COLUMNS = [
     "tau",
     "latency_ms",  # the decode call that answered the request's chunk, shared by its requests
 ]
+
 
 def answer_schema() -> Any:
     """The Arrow types of `ANSWER_COLUMNS`: every chunk's file has them, whatever its values (a chunk

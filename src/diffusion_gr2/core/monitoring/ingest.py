@@ -23,10 +23,16 @@ from typing import Any
 import pandas as pd
 
 from diffusion_gr2.core.data.raw import RAW_INTERACTION_COLUMNS, ReadConfig, Rejects, iter_lines
-from diffusion_gr2.core.data.readers import classify_file, detect_format, has_data_files, read_raw
+from diffusion_gr2.core.data.readers import (
+    classify_file,
+    detect_format,
+    has_data_files,
+    read_interactions,
+    read_raw,
+)
 from diffusion_gr2.core.data.recbole import EMBEDDED_DATASET, embedded_ml100k_folder
 from diffusion_gr2.core.io import atomic_write_text
-from diffusion_gr2.core.tracking.lineage import file_md5
+from diffusion_gr2.core.lineage.lineage import file_md5
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +43,6 @@ __all__ = [
     "delivered_interactions",
     "ingest",
     "pending_delivery",
-    "read_interactions",
     "release_lock",
 ]
 
@@ -116,14 +121,6 @@ def ingest(config: IngestConfig, dry_run: bool = False) -> dict[str, Any]:
     retrain would take in; `python -m diffusion_gr2 retrain` skips training when it is nothing).
     """
     return _take_in(config, dry_run)[0]
-
-
-def read_interactions(files: list[Path]) -> pd.DataFrame:
-    """The interactions of `files` (raw files of one format) read together by the project's reader."""
-    with tempfile.TemporaryDirectory() as tmp:
-        for path in files:
-            os.symlink(Path(path).resolve(), Path(tmp) / Path(path).name)
-        return read_raw(tmp, ReadConfig(max_reject_share=1.0)).interactions
 
 
 def delivered_interactions(report: dict[str, Any] | None) -> pd.DataFrame:

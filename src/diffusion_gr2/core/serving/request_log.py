@@ -4,7 +4,7 @@
 A row holds the request (id, user, history, candidates in raw ids), the answer (ranking, explanation,
 served and own validity, tokens, forwards, latency), the model that answered (registered name,
 version, system, operating point), where it was served (`source`: the scoring server or the batch
-re-rank) and when. The shadow evaluation of the gate (`core/tracking/shadow.py`) replays these rows
+re-rank) and when. The shadow evaluation of the gate (`core/registry/shadow.py`) replays these rows
 through the challenger and, once a delivery says what each user did next, scores both.
 
 Writes are atomic with respect to crashes and to concurrent workers:

@@ -44,7 +44,7 @@ from diffusion_gr2.core.base.speed import TimedRate, speedup
 from diffusion_gr2.core.bench.harness import TimedSystem, round_rates, time_rounds
 from diffusion_gr2.core.evaluate.metrics import paired_bootstrap
 from diffusion_gr2.core.evaluate.policy import Policy, clears
-from diffusion_gr2.core.tracking.serving import Ranker, RequestError, parse_request
+from diffusion_gr2.core.serving.serving import Ranker, RequestError, parse_request
 
 logger = logging.getLogger(__name__)
 
@@ -302,7 +302,7 @@ def decide(
 ) -> dict[str, Any]:
     """Promote when every check passes (module docstring), else refuse naming the checks that failed.
 
-    `shadow` (`core/tracking/shadow.py`: the challenger on the champion's logged requests) adds its
+    `shadow` (`core/registry/shadow.py`: the challenger on the champion's logged requests) adds its
     ``checks`` and ``numbers``; the report keeps the rest of it under ``shadow``.
 
     Each side holds ``hits`` (per request, the same requests in the same order), ``recall@1``, and for
