@@ -34,6 +34,7 @@ import pandas as pd
 import psutil
 
 BIN = Path(sys.executable).parent
+REPO = Path(__file__).resolve().parents[1]  # the conf every run uses
 REQUESTS_DIR = Path("data/05_model_input/rerank_requests")
 ANSWERS_DIR = Path("data/07_model_output/reranked")
 
@@ -62,11 +63,11 @@ def build_requests(project: Path, n: int, path: Path) -> int:
     return len(rows)
 
 
-def scratch_project(project: Path, root: Path, requests: Path) -> Path:
-    """The repository's conf and pyproject in `root`, with the request file and empty outputs."""
-    shutil.copytree(project / "conf", root / "conf", ignore=shutil.ignore_patterns("local"))
+def scratch_project(root: Path, requests: Path) -> Path:
+    """This repository's conf and pyproject in `root`, with the request file and empty outputs."""
+    shutil.copytree(REPO / "conf", root / "conf", ignore=shutil.ignore_patterns("local"))
     (root / "conf" / "local").mkdir()
-    shutil.copy(project / "pyproject.toml", root / "pyproject.toml")
+    shutil.copy(REPO / "pyproject.toml", root / "pyproject.toml")
     (root / "src").mkdir()
     (root / REQUESTS_DIR).mkdir(parents=True)
     shutil.copy(requests, root / REQUESTS_DIR)
@@ -108,7 +109,7 @@ def run_measured(cmd: list[str], cwd: Path, env: dict[str, str], log: Path) -> d
         time.sleep(0.2)
     wall = time.perf_counter() - start
     if proc.returncode != 0:
-        raise SystemExit(f"{' '.join(cmd)} failed ({proc.returncode}); see {log}")
+        raise SystemExit(f"{' '.join(cmd)} failed ({proc.returncode}):\n{log.read_text()[-4000:]}")
     return {"wall_s": wall, "peak_rss_gb": peak_sum / 2**30, "peak_rss_largest_gb": peak_one / 2**30}
 
 
@@ -120,7 +121,9 @@ def main() -> None:
     parser.add_argument("--processes", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
     parser.add_argument("--model-uri", default="models:/diffusion-gr2@champion")
-    parser.add_argument("--project", type=Path, default=Path("."), help="its data/ and mlflow.db are read")
+    parser.add_argument(
+        "--project", type=Path, default=Path("."), help="the default run whose data/ and mlflow.db are read"
+    )
     parser.add_argument("--out", type=Path, default=Path("data/08_reporting"))
     args = parser.parse_args()
     project = args.project.resolve()
@@ -138,7 +141,7 @@ def main() -> None:
             flush=True,
         )
         for n in args.processes:
-            root = scratch_project(project, Path(tmp) / f"p{n}", requests)
+            root = scratch_project(Path(tmp) / f"p{n}", requests)
             figures = run_measured(command(n, args.model_uri), root, env, Path(tmp) / f"p{n}.log")
             answers = pd.read_parquet(root / ANSWERS_DIR).drop(columns="latency_ms")
             report = json.loads((root / "data/08_reporting/rerank_report.json").read_text())
