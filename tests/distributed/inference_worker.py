@@ -15,36 +15,17 @@ from diffusion_gr2.core.decode import decoder
 from diffusion_gr2.pipelines.inference.nodes import make_rerank_node
 from tests.core.model.tiny import tiny_model_for
 from tests.core.rank.world import make_world
+from tests.test_pipeline_inference import _params, _policy
 
 USERS = 9  # 9 requests a split in batches of 2: five batches, three for rank 0, two for rank 1
 
-PARAMS = {
-    "splits": ["valid", "test"],
-    "max_requests": None,
-    "sweep_max_requests": None,
+# the inference tests' settings (one candidate tau: the choice cannot depend on timings; every bar
+# open: untrained models), with a grammar and batches of two
+PARAMS = _params(None) | {
     "valid_sweep": [],
-    "taus": [0.9, 0.5],
-    "taus_by_system": {},
-    "operating_point": {  # one candidate: the choice cannot depend on timings
-        "systems": ["rl"],
-        "reference": "ar_rl",
-        "n_boot": 200,
-        "floor_screen": None,
-        "speed_batch_size": 1,
-        "taus": [0.5],
-        "windows": [None],
-        "timing": {"n_prompts": 2, "batch_sizes": [1], "rounds": 1, "min_calls": 1, "warmup": 0},
-    },
     "decoding": {"max_new_tokens": 12, "batch_size": 2, "constrained": True, "device": "cpu"},
 }
-POLICY = {  # every bar open: untrained models
-    "level": 0.95,
-    "min_unforced_rate": 0.0,
-    "min_speed_ratio": 0.0,
-    "choice_margin": 1.0,
-    "gate_margin": 1.0,
-    "prerank_margin": 1.0,
-}
+POLICY = _policy()
 
 
 def _count_decoded_rows() -> list[int]:

@@ -27,22 +27,13 @@ from diffusion_gr2.core.serving.request_log import read_log
 from diffusion_gr2.datasets import AnswerChunksDataset, RequestFilesDataset
 from diffusion_gr2.pipelines.rerank.nodes import answer_requests
 from tests.conftest import PROJECT_ROOT, make_project_copy
-from tests.ops.conftest import World, build_world
+from tests.distributed.launching import accelerate_launch, launch_env
+from tests.ops.conftest import World, build_world, champion_in
 
 BIN = Path(sys.executable).parent
 CHUNK = 4
 OUTPUT = Path("data/07_model_output/reranked")
 LOG = Path("data/07_model_output/request_log")
-LOGGING = """\
-version: 1
-disable_existing_loggers: false
-formatters:
-  plain: {format: "pid=%(process)d %(name)s %(message)s"}
-handlers:
-  console: {class: logging.StreamHandler, formatter: plain, stream: "ext://sys.stdout"}
-root: {level: INFO, handlers: [console]}
-"""
-
 pytestmark = pytest.mark.skipif(not (BIN / "accelerate").exists(), reason="accelerate not installed")
 
 
@@ -72,22 +63,11 @@ def _write_requests(world: World, folder: Path) -> None:
 
 
 def _env(project: Path) -> dict[str, str]:
-    logging_file = project / "logging.yml"
-    logging_file.write_text(LOGGING)
-    return {
-        **os.environ,
-        "MLFLOW_TRACKING_URI": f"sqlite:///{project / 'mlflow.db'}",
-        "KEDRO_LOGGING_CONFIG": str(logging_file),
-        "OMP_NUM_THREADS": "1",
-        "DIFFUSION_GR2_COLLECTIVE_TIMEOUT_S": "120",
-    }
+    return launch_env(project, collective_timeout_s=120)
 
 
 def _launch_cmd() -> list[str]:
-    return [str(BIN / "accelerate"), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
-            "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "0",
-            "-m", "diffusion_gr2", "run", "--pipelines", "rerank",
-            "--params", f"rerank.chunk_size={CHUNK}"]  # fmt: skip
+    return accelerate_launch("--pipelines", "rerank", "--params", f"rerank.chunk_size={CHUNK}")
 
 
 def _answers(project: Path) -> pd.DataFrame:
@@ -100,16 +80,8 @@ def project(tmp_path_factory: pytest.TempPathFactory) -> Path:
     46 requests; nothing answered yet."""
     world = build_world(tmp_path_factory.mktemp("world"))
     root = make_project_copy(tmp_path_factory.mktemp("batch") / "project")
-    uri = f"sqlite:///{root / 'mlflow.db'}"
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("MLFLOW_TRACKING_URI", uri)
-        mlflow.set_tracking_uri(uri)
-        mlflow.set_registry_uri(uri)
-        mlflow.set_experiment("batch")
-        ref = registry.register_reranker(
-            registry.DIFFUSION_MODEL, world.models["rl"], world.items, world.sids, world.config()
-        )
-        registry.promote(registry.DIFFUSION_MODEL, ref.version, "batch test")
+    with champion_in(world, f"sqlite:///{root / 'mlflow.db'}", "batch"):
+        pass
     _write_requests(world, root / "data/05_model_input/rerank_requests")
     return root
 

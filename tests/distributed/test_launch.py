@@ -10,7 +10,6 @@ uninterrupted run.
 from __future__ import annotations
 
 import collections
-import os
 import re
 import shutil
 import signal
@@ -26,6 +25,7 @@ import safetensors.torch
 import torch
 
 from tests.conftest import DATA_LAYERS, make_project_copy
+from tests.distributed.launching import accelerate_launch, launch_env
 
 BIN = Path(sys.executable).parent
 STAGES = "teacher,conversion,cft,opd,rl"
@@ -37,37 +37,15 @@ ACCUMULATE = ",".join(
 )
 PREPARED_LAYERS = DATA_LAYERS[:5]  # 01_raw .. 05_model_input: what the four preparing stages write
 LONG_RL = "rl.train.max_steps=24"  # 6 rollout batches: time to kill a rank between checkpoints
-LOGGING = """\
-version: 1
-disable_existing_loggers: false
-formatters:
-  plain: {format: "pid=%(process)d %(name)s %(message)s"}
-handlers:
-  console: {class: logging.StreamHandler, formatter: plain, stream: "ext://sys.stdout"}
-root: {level: INFO, handlers: [console]}
-"""
-
 pytestmark = pytest.mark.skipif(not (BIN / "accelerate").exists(), reason="accelerate not installed")
 
 
 def _env(project: Path) -> dict[str, str]:
-    logging_file = project / "logging.yml"
-    logging_file.write_text(LOGGING)
-    return {
-        **os.environ,
-        "MLFLOW_TRACKING_URI": f"sqlite:///{project / 'mlflow.db'}",
-        "KEDRO_LOGGING_CONFIG": str(logging_file),
-        "OMP_NUM_THREADS": "1",
-        "DIFFUSION_GR2_COLLECTIVE_TIMEOUT_S": "60",
-    }
+    return launch_env(project)
 
 
 def _launch_cmd(*kedro_args: str) -> list[str]:
-    # --multi_gpu selects accelerate's torch-elastic launcher; with no GPU each process runs on the CPU
-    # (the smoke stages set train.cpu) and the process group is gloo.
-    return [str(BIN / "accelerate"), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
-            "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "0",
-            "-m", "diffusion_gr2", "run", "--env", "smoke", *kedro_args]  # fmt: skip
+    return accelerate_launch("--env", "smoke", *kedro_args)
 
 
 def _one_process_cmd(*kedro_args: str) -> list[str]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -98,3 +99,21 @@ def rerank_folder(
     output.save(answer_requests(RequestFilesDataset(str(folder / "requests")).load(), params, serving))
     report = summarize_answers(output.load(), params)
     return pd.read_parquet(folder / "reranked"), report
+
+
+@contextmanager
+def champion_in(world: World, uri: str, experiment: str) -> Iterator[str]:
+    """The store at `uri` made current (tracking, registry, `MLFLOW_TRACKING_URI`) with the world's
+    `rl` model registered and promoted to champion of `diffusion-gr2`; its version."""
+    from diffusion_gr2.core.registry import registry
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("MLFLOW_TRACKING_URI", uri)
+        mlflow.set_tracking_uri(uri)
+        mlflow.set_registry_uri(uri)
+        mlflow.set_experiment(experiment)
+        ref = registry.register_reranker(
+            registry.DIFFUSION_MODEL, world.models["rl"], world.items, world.sids, world.config()
+        )
+        registry.promote(registry.DIFFUSION_MODEL, ref.version, "first version")
+        yield ref.version

@@ -29,7 +29,7 @@ from diffusion_gr2.core.serving.request_log import (
     server_environment,
 )
 from tests.conftest import empty_mlflow_store
-from tests.ops.conftest import World, rerank_folder
+from tests.ops.conftest import World, champion_in, rerank_folder
 
 BIN = Path(sys.executable).parent
 
@@ -44,16 +44,8 @@ def free_port() -> int:
 def champion(world: World, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]]:
     """A store with version 1 (rl) promoted to champion: (store uri, version)."""
     uri = empty_mlflow_store(tmp_path_factory.mktemp("store") / "mlflow.db")
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("MLFLOW_TRACKING_URI", uri)
-        mlflow.set_tracking_uri(uri)
-        mlflow.set_registry_uri(uri)
-        mlflow.set_experiment("ops-serving")
-        ref = registry.register_reranker(
-            registry.DIFFUSION_MODEL, world.models["rl"], world.items, world.sids, world.config()
-        )
-        registry.promote(registry.DIFFUSION_MODEL, ref.version, "first version")
-        yield uri, ref.version
+    with champion_in(world, uri, "ops-serving") as version:
+        yield uri, version
 
 
 @pytest.fixture(scope="module")
