@@ -147,43 +147,8 @@ class ReportRunsDataset(AbstractDataset[None, Any]):
         raise DatasetError("ReportRunsDataset is read-only: the reports it reads carry their own manifests")
 
 
-class RequestFilesDataset(AbstractDataset[None, Any]):
-    """Read-only: the request files of a folder for batch re-ranking (`.json`, `.jsonl`, `.parquet`),
-    loaded as a stream (`core/serving/batch.py::RequestFiles`), never whole."""
-
-    def __init__(self, path: str, metadata: dict[str, Any] | None = None) -> None:
-        self._path = PurePosixPath(path)
-        self.metadata = metadata
-
-    def _describe(self) -> dict[str, Any]:
-        return {"path": str(self._path)}
-
-    def load(self) -> Any:
-        from diffusion_gr2.core.serving.batch import FORMATS, RequestFiles
-
-        files = RequestFiles(Path(self._path))
-        if not files.paths:
-            raise DatasetError(
-                f"no request file in {self._path}: put the requests there as {', '.join(FORMATS)} files"
-            )
-        return files
-
-    def save(self, data: Any) -> None:
-        raise DatasetError("RequestFilesDataset is read-only: request files are delivered, not written")
-
-
-class AnswerChunksDataset(AbstractDataset[Any, dict[str, Any]]):
-    """Batch answers as one Parquet file per chunk in `path` (``part-000000.parquet``, ...), each
-    written whole (a temp file renamed), beside ``_job.json`` (the job's key, and whether it is
-    complete). `pandas.read_parquet(path)` reads them as one frame.
-
-    Saving a `core/serving/batch.py::BatchJob` answers it chunk by chunk: with the key of the
-    published chunks it resumes after them; another key deletes them first. Loading gives Kedro's
-    partitioned form (chunk name -> a function that loads it), for a complete job only: a batch
-    that was stopped is resumed, never read.
-    """
-
-    JOB = "_job.json"
+class _FolderDataset(AbstractDataset[Any, Any]):
+    """A dataset whose data is a folder of files (its `path`)."""
 
     def __init__(self, path: str, metadata: dict[str, Any] | None = None) -> None:
         self._path = PurePosixPath(path)
@@ -195,6 +160,38 @@ class AnswerChunksDataset(AbstractDataset[Any, dict[str, Any]]):
 
     def _describe(self) -> dict[str, Any]:
         return {"path": str(self._path)}
+
+
+class RequestFilesDataset(_FolderDataset):
+    """Read-only: the request files of a folder for batch re-ranking (`.json`, `.jsonl`, `.parquet`),
+    loaded as a stream (`core/serving/batch.py::RequestFiles`), never whole."""
+
+    def load(self) -> Any:
+        from diffusion_gr2.core.serving.batch import FORMATS, RequestFiles
+
+        files = RequestFiles(self.path)
+        if not files.paths:
+            raise DatasetError(
+                f"no request file in {self._path}: put the requests there as {', '.join(FORMATS)} files"
+            )
+        return files
+
+    def save(self, data: Any) -> None:
+        raise DatasetError("RequestFilesDataset is read-only: request files are delivered, not written")
+
+
+class AnswerChunksDataset(_FolderDataset):
+    """Batch answers as one Parquet file per chunk in `path` (``part-000000.parquet``, ...), each
+    written whole (a temp file renamed), beside ``_job.json`` (the job's key, and whether it is
+    complete). `pandas.read_parquet(path)` reads them as one frame.
+
+    Saving a `core/serving/batch.py::BatchJob` answers it chunk by chunk: with the key of the
+    published chunks it resumes after them; another key deletes them first. Loading gives Kedro's
+    partitioned form (chunk name -> a function that loads it), for a complete job only: a batch
+    that was stopped is resumed, never read.
+    """
+
+    JOB = "_job.json"
 
     def _job(self) -> dict[str, Any] | None:
         meta = self.path / self.JOB

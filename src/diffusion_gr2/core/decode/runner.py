@@ -19,6 +19,7 @@ clean columns.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 
@@ -126,7 +127,7 @@ def logit_columns(c: int, q: int, lo: int, checked: int) -> slice:
     return slice(lo - 1, q - 1)
 
 
-class BaseRunner:
+class BaseRunner(ABC):
     """What every runner does alike: the forward's layout and logits, the rows' bookkeeping.
 
     A runner holds the clean columns fed so far (`n` of them: the prompt, finished blocks) in a
@@ -171,22 +172,22 @@ class BaseRunner:
         self.n += c
         return lm_logits(self.model, hidden[:, logit_columns(c, q, lo, checked)])
 
+    @abstractmethod
     def _hidden(self, ids: Tensor, lay: Layout, c: int, reblock: Reblock | None) -> Tensor:
         """Hidden states of `ids` (`[clean c | canvas]`, fed after the `n` clean columns) under `lay`,
         the layout's first `n + c + q` columns; the store takes the clean part only."""
-        raise NotImplementedError
 
+    @abstractmethod
     def _keep_rows(self, index: Tensor) -> None:
         """The store keeps slots `index`, in that order, as its first rows."""
-        raise NotImplementedError
 
+    @abstractmethod
     def _swap_rows(self, i: int, j: int, perm: Tensor) -> None:
         """The store exchanges slots i and j (`perm`: that transposition of every slot)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def _drop_columns(self, drop: int) -> None:
         """The store loses its last `drop` clean columns (`n` still counts them)."""
-        raise NotImplementedError
 
     def _swap(self, i: int, j: int) -> None:
         perm = _transposition(self.layout.block.shape[0], i, j, self.layout.block.device)
