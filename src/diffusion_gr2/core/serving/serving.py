@@ -254,7 +254,7 @@ class Ranker:
         own to leave out)."""
         shown = None
         if self.evidence is not None:
-            shown = self.evidence.lines(-1, request.history, request.candidates)
+            shown = self.evidence.for_prompt(-1, request.history, request.candidates)
         return build_messages(request.history, request.candidates, self.lookup, self.prompt, shown)
 
     def parse(self, records: Sequence[Mapping[str, Any]]) -> list[Request]:

@@ -31,7 +31,7 @@ def encode_requests(
     prompts, cand_sids = [], []
     for row in candidates.itertuples(index=False):
         history, cands = list(row.history), list(row.candidates)
-        shown = None if evidence is None else evidence.lines(int(row.user_id), history, cands)
+        shown = None if evidence is None else evidence.for_prompt(int(row.user_id), history, cands)
         messages = build_messages(history, cands, lookup, config, shown)
         prompts.append(encode_prompt(tokenizer, messages))
         cand_sids.append(lookup.sids(row.candidates))

@@ -147,6 +147,18 @@ def item_line(info: ItemInfo, with_offer: bool) -> str:
     return _SEPARATOR.join(parts)
 
 
+@dataclass(frozen=True)
+class PromptEvidence:
+    """What one prompt shows of the evidence (`core/text/evidence.py`): a text per candidate appended
+    to its line, and the candidates (indices, best first) the hint line names."""
+
+    lines: tuple[str, ...] | None = None
+    favoured: tuple[int, ...] = ()
+
+
+HINT_PREFIX = "Evidence favours:"
+
+
 def visible_history(history: Sequence[int], config: PromptConfig) -> list[int]:
     """The history items the prompt shows: the last `history_in_prompt`, oldest first."""
     return [int(i) for i in history][-config.history_in_prompt :]
@@ -157,23 +169,26 @@ def build_messages(
     candidates: Sequence[int],
     item_lookup: ItemLookup,
     config: PromptConfig,
-    evidence: Sequence[str] | None = None,
+    evidence: PromptEvidence | None = None,
 ) -> list[dict[str, str]]:
     """Chat messages (system + user) for one re-ranking request.
 
     The history is chronological (most recent last) and the candidates are in pre-rank order; neither
-    the target nor any retrieval score is shown. `evidence` (one text per candidate,
-    `core/text/evidence.py`) is appended to each candidate's line.
+    the target nor any retrieval score is shown. `evidence`'s texts are appended to each candidate's
+    line, and its favoured candidates named on a last line (`Evidence favours: SID SID`).
     """
     lines = ["History (oldest to newest):"]
     lines += [item_line(item_lookup[i], with_offer=False) for i in visible_history(history, config)]
     lines.append(f"Candidates ({len(candidates)}):")
     shown = [item_line(item_lookup[i], with_offer=True) for i in candidates]
-    if evidence is not None:
-        if len(evidence) != len(candidates):
-            raise ValueError(f"{len(evidence)} evidence texts for {len(candidates)} candidates")
-        shown = [f"{line}{_SEPARATOR}{text}" for line, text in zip(shown, evidence, strict=True)]
+    evidence = evidence or PromptEvidence()
+    if evidence.lines is not None:
+        if len(evidence.lines) != len(candidates):
+            raise ValueError(f"{len(evidence.lines)} evidence texts for {len(candidates)} candidates")
+        shown = [f"{line}{_SEPARATOR}{text}" for line, text in zip(shown, evidence.lines, strict=True)]
     lines += shown
+    if evidence.favoured:
+        lines.append(" ".join([HINT_PREFIX, *(item_lookup[candidates[k]].sid for k in evidence.favoured)]))
     return [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": "\n".join(lines)}]
 
 

@@ -26,6 +26,7 @@ from diffusion_gr2.core.text.prompt import (
     ItemInfo,
     ItemLookup,
     PromptConfig,
+    PromptEvidence,
     build_messages,
     render_answer,
     visible_history,
@@ -316,8 +317,8 @@ def build_sft_rows(
 ) -> list[SFTRow]:
     """Accepted traces as (messages, JSON answer) pairs for SFT (prompts with `evidence` where given)."""
 
-    def shown(e: RerankExample) -> list[str] | None:
-        return None if evidence is None else evidence.lines(e.user_id, e.history, e.candidates)
+    def shown(e: RerankExample) -> PromptEvidence | None:
+        return None if evidence is None else evidence.for_prompt(e.user_id, e.history, e.candidates)
 
     return [
         SFTRow(

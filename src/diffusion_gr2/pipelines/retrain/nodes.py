@@ -32,6 +32,7 @@ from diffusion_gr2.core.registry.promotion import gate_and_promote
 from diffusion_gr2.core.runs.mlflow_utils import as_metrics_history
 from diffusion_gr2.core.serving.request_log import RequestLogConfig, read_log
 from diffusion_gr2.core.serving.serving import PRERANK, Ranker, ServingConfig
+from diffusion_gr2.core.text.evidence import shows_evidence
 
 logger = logging.getLogger(__name__)
 
@@ -147,7 +148,7 @@ def _shown_evidence(
     evidence: dict[str, Any] | None, splits: pd.DataFrame | None
 ) -> tuple[dict[str, Any] | None, pd.DataFrame | None]:
     """The evidence spec the prompts show (None: none) and the training sequences it is counted on."""
-    shown = evidence if evidence and evidence.get("in_prompt") else None
+    shown = evidence if shows_evidence(evidence) else None
     if shown is not None and splits is None:
         raise ValueError(
             "register_models: the prompts show evidence, so the training sequences (splits) are needed"

@@ -21,6 +21,7 @@ from diffusion_gr2.core.text.evidence import (
     EvidenceTable,
     evidence_from_spec,
     evidence_spec,
+    shows_evidence,
 )
 from diffusion_gr2.core.text.examples import encode_requests, encode_sft, length_report
 from diffusion_gr2.core.text.learned_analyst import (
@@ -90,9 +91,10 @@ def generate_traces(
     policy: dict[str, Any],
 ) -> tuple[pd.DataFrame, dict[str, Any], dict[str, Any]]:
     """Teacher traces for the training rows, kept only when the top pick is the target: the learned
-    analyst's where the prompt shows evidence (`traces.evidence.in_prompt`), the rule-based
+    analyst's where the prompt shows evidence (`traces.evidence.in_prompt` or `hint`), the rule-based
     analyst's otherwise. The learned analyst is fit either way: its ceiling is in the report. Also
-    the evidence's spec (`evidence.json`: settings and cuts), which every prompt builder reads."""
+    the evidence's spec (`evidence.json`: settings, cuts and the analyst's ranker), which every
+    prompt builder reads."""
     prompt_config = PromptConfig(**params["prompt"])
     lookup = _lookup(items, sids, params)
     evidence = _evidence(candidates, items, splits, params)
@@ -100,20 +102,21 @@ def generate_traces(
     config = LearnedAnalystConfig(**params.get("learned_analyst", {}))
     train, valid = ([e for e in examples if e.split == s] for s in ("train", "valid"))
     learned, by_c = fit_learned_analyst(evidence, lookup, train, valid, config, prompt_config)
+    evidence = learned.evidence  # with its ranker: the hint's
     report = {
         "analyst": {
-            "C": float(learned.ranker.C),
+            "C": min(by_c, key=lambda c: (-by_c[c], c)),
             "valid_recall@1_by_C": {str(c): r for c, r in by_c.items()},
             **analyst_ceiling(learned, examples, Policy.from_params(policy).level),
             "evidence_cuts": evidence.scale.to_dict(),
         }
     }
     teacher: LearnedAnalyst | RuleBasedAnalyst = learned
-    if not evidence.table.config.in_prompt:
+    if not evidence.table.config.shown:
         popularity = popularity_from_histories(splits["train_items"])  # training data only: no leakage
         teacher = RuleBasedAnalyst(lookup, popularity, AnalystConfig(**params["analyst"]), prompt_config)
     rows, stats = rejection_sample(teacher, train, params["max_tries"], params["seed"])
-    shown = evidence if evidence.table.config.in_prompt else None
+    shown = evidence if evidence.table.config.shown else None
     sft = sft_frame(build_sft_rows(rows, lookup, prompt_config, shown))
     return sft, asdict(stats) | report, evidence_spec(evidence)
 
@@ -152,7 +155,7 @@ def encode_datasets(
         _lookup(items, sids, params),
         tokenizer,
         PromptConfig(**params["prompt"]),
-        evidence_from_spec(evidence, splits, items) if evidence["in_prompt"] else None,
+        evidence_from_spec(evidence, splits, items) if shows_evidence(evidence) else None,
     )
     validate_requests(requests)  # every model stage reads it: a bad SID list stops here, named
     report = {**trace_stats, **length_report(sft_examples, requests), "vocab_size": len(tokenizer)}
