@@ -19,7 +19,7 @@ from diffusion_gr2.core.bench.benchmark import BENCHMARK_KEYS
 from diffusion_gr2.core.evaluate.rankings import stage_metrics
 from tests.conftest import PROJECT_ROOT, run_kedro
 
-SYSTEMS = ("prerank", "ar_sft", "ar_rl", "naive", "cft", "opd", "rl", "distilled")
+SYSTEMS = ("prerank", "analyst", "ar_sft", "ar_rl", "naive", "cft", "opd", "rl", "distilled")
 
 
 def report(project: Path, name: str):
@@ -54,12 +54,44 @@ def test_stage_metrics_cover_every_system_and_are_recomputable(dag_run: Path) ->
     assert {r["system"] for r in rows} == set(SYSTEMS)
     for row in rows:
         assert {"tau", "n", "recall@1", "ndcg@3", "mrr", "valid_rate", "fallback_rate", "ci"} <= set(row)
-        assert (row["tau"] is None) == (row["system"] in ("prerank", "ar_sft", "ar_rl"))
+        assert (row["tau"] is None) == (row["system"] in ("prerank", "analyst", "ar_sft", "ar_rl"))
     rankings = pd.read_parquet(dag_run / "data/07_model_output/rankings.parquet")
     assert {r["split"] for r in rows} == {"valid", "test"}  # choose on valid, report on test
     recomputed = json.loads(json.dumps(stage_metrics(rankings, n_boot=10)))
     without_ci = [{k: v for k, v in row.items() if k != "ci"} for row in rows]
     assert [{k: v for k, v in row.items() if k != "ci"} for row in recomputed] == without_ci
+
+
+def test_the_analysts_row_is_the_trace_reports_ceiling_on_the_same_requests(dag_run: Path) -> None:
+    """The stage table's `analyst` R@1 is the learned analyst's noiseless top hit rate (`top_hits`, which
+    `trace_report.json` reports) on the requests the row answered; equal to the report's own figure
+    where inference answered every request of the split."""
+    from diffusion_gr2.core.text.evidence import evidence_from_spec
+    from diffusion_gr2.core.text.learned_analyst import LearnedAnalyst, top_hits
+    from diffusion_gr2.core.text.prompt import ItemLookup, PromptConfig
+    from diffusion_gr2.core.text.traces import examples_from_frame
+
+    data = dag_run / "data"
+    items, splits = (
+        pd.read_parquet(data / p) for p in ("03_primary/items.parquet", "05_model_input/splits.parquet")
+    )
+    candidates = pd.read_parquet(data / "05_model_input/candidates.parquet")
+    evidence = evidence_from_spec(
+        json.loads((data / "05_model_input/evidence.json").read_text()), splits, items
+    )
+    lookup = ItemLookup.from_frames(items, pd.read_parquet(data / "04_feature/sids.parquet"), PromptConfig())
+    analyst = LearnedAnalyst(evidence, lookup)
+    rankings = pd.read_parquet(data / "07_model_output/rankings.parquet")
+    ceiling = report(dag_run, "trace_report.json")["analyst"]
+    for row in (r for r in report(dag_run, "stage_metrics.json") if r["system"] == "analyst"):
+        split = row["split"]
+        rows = rankings[(rankings["system"] == "analyst") & (rankings["split"] == split)]
+        assert rows["valid"].all() and (rows["nfe"] == 0).all() and (rows["output_tokens"] == 0).all()
+        asked = candidates.merge(rows[["split", "user_id", "point"]], on=["split", "user_id", "point"])
+        hits = top_hits(analyst, examples_from_frame(asked))
+        assert len(hits) == row["n"] and row["recall@1"] == pytest.approx(float(hits.mean()))
+        if row["n"] == ceiling[split]["n"]:
+            assert row["recall@1"] == pytest.approx(ceiling[split]["analyst_recall@1"])
 
 
 def test_every_model_is_saved_with_its_tokenizer_and_logged(dag_run: Path) -> None:

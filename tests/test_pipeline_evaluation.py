@@ -22,7 +22,7 @@ from diffusion_gr2.core.model.factory import save_model
 from diffusion_gr2.core.rank.rerank import AR_SYSTEMS, DIFFUSION_SYSTEMS, SYSTEMS
 from tests.conftest import empty_mlflow_store, isolated_project, run_kedro
 from tests.core.model.tiny import tiny_model_for
-from tests.core.rank.world import make_world
+from tests.core.rank.world import analyst_inputs, make_world
 
 N_USERS, SMOKE_USERS, SMOKE_TAUS = 10, 8, [0.9]  # smoke params: max_users 8, taus [0.9]
 OPERATING_POINT_SYSTEMS = ("distilled",)  # base (smoke inherits): inference.operating_point.systems
@@ -43,10 +43,18 @@ def _model_dirs(project: Path) -> dict[str, Path]:
 
 
 def _write_inputs(project: Path) -> None:
-    """Tokenizer, requests and one tiny random model per system, where the catalog expects them."""
+    """Tokenizer, requests, one tiny random model per system, and what the analyst's rows read (the
+    candidates, training sequences, items and evidence), where the catalog expects them."""
     tokenizer, requests = make_world(n_users=N_USERS, splits=("test", "valid"))
     tokenizer.save_pretrained(project / "data/06_models/tokenizer")
     requests.to_parquet(project / "data/05_model_input/requests.parquet")
+    catalog = _catalog(project)
+    for name, value in analyst_inputs(n_users=N_USERS, splits=("test", "valid")).items():
+        path = project / catalog[name]["filepath"]
+        if isinstance(value, pd.DataFrame):
+            value.to_parquet(path)
+        else:
+            path.write_text(json.dumps(value))
     for system, path in _model_dirs(project).items():
         save_model(tiny_model_for(tokenizer, None if system in AR_SYSTEMS else 4), tokenizer, path)
 
@@ -69,11 +77,12 @@ def test_rankings_hold_every_system_and_tau(evaluation_run: Path) -> None:
     rankings = pd.read_parquet(evaluation_run / "data/07_model_output/rankings.parquet")
     points = read_report(evaluation_run / "data/08_reporting/operating_point.json")[0]
     assert set(points) == set(OPERATING_POINT_SYSTEMS)  # smoke: operating_point.systems
-    sweep = [(s, None, None) for s in ("prerank", *AR_SYSTEMS)] + [
+    sweep = [(s, None, None) for s in ("prerank", "analyst", *AR_SYSTEMS)] + [
         (s, t, None) for s in DIFFUSION_SYSTEMS for t in SMOKE_TAUS
     ]
-    # validation: the pre-rank, the reference, the choosing systems and valid_sweep; test: every one
-    on_valid = {"prerank", "ar_rl", *OPERATING_POINT_SYSTEMS, *VALID_SWEEP}
+    # validation: the pre-rank, the analyst, the reference, the choosing systems and valid_sweep;
+    # test: every one
+    on_valid = {"prerank", "analyst", "ar_rl", *OPERATING_POINT_SYSTEMS, *VALID_SWEEP}
     expected = [("valid", *v) for v in sweep if v[0] in on_valid] + [("test", *v) for v in sweep]
     for system in OPERATING_POINT_SYSTEMS:
         point = points[system]
@@ -133,6 +142,9 @@ def test_stage_metrics_file_is_recomputable_from_rankings(evaluation_run: Path) 
     assert stage_metrics(rankings, n_boot=200, seed=0) == rows  # smoke: 200 resamples, seed 0
     comparisons = read_report(evaluation_run / "data/08_reporting/comparisons.json")[0]
     assert {c["baseline"] for c in comparisons} == {"ar_rl", "prerank"}
+    assert {(c["split"], c["baseline"]) for c in comparisons if c["system"] == "analyst"} == {
+        (split, base) for split in ("valid", "test") for base in ("ar_rl", "prerank")
+    }
     table = (evaluation_run / "data/08_reporting/stage_metrics.md").read_text()
     assert all(f"| {s} |" in table for s in SYSTEMS)
     for plot in ("recall_at_1.png", "valid_rate.png"):
@@ -149,6 +161,8 @@ def test_report_names_the_files_this_run_lacks(evaluation_run: Path) -> None:
     ):
         assert f"*`{name}` is absent from this run: `{command}` writes it.*" in report
     assert "## Stage table (test)" in report and "## Reasoning quality (test" in report
+    stage = report.split("## Stage table (test)")[1].split("\n## ")[0]
+    assert "| prerank | — | — |" in stage and "| analyst | — | — |" in stage  # the teacher's ceiling
     reasoning = read_report(evaluation_run / "data/08_reporting/reasoning_metrics.json")[0]
     assert {r["system"] for r in reasoning} == {
         *AR_SYSTEMS,

@@ -14,9 +14,10 @@ from transformers import PreTrainedTokenizerFast
 
 from diffusion_gr2.core.evaluate.rankings import stage_metrics
 from diffusion_gr2.core.rank.rerank import select_requests
-from diffusion_gr2.pipelines.inference.nodes import make_rerank_node, rerank_prerank
+from diffusion_gr2.pipelines.inference.nodes import make_rerank_node, rerank_analyst, rerank_prerank
+from diffusion_gr2.pipelines.inference.pipeline import create_pipeline
 from tests.core.model.tiny import tiny_model_for
-from tests.core.rank.world import make_world
+from tests.core.rank.world import analyst_inputs, make_world
 
 N_USERS, CAP = 5, 2
 
@@ -253,3 +254,26 @@ def test_without_a_cap_every_pass_answers_every_request(world) -> None:
         tiny_model_for(tokenizer, block_size=4), requests, tokenizer, params, policy
     )
     assert set(_n_by_pass(rows["rankings"]).values()) == {N_USERS}
+
+
+def test_the_analyst_answers_the_preranks_requests_with_no_model(world) -> None:
+    """`rerank_analyst`: the learned analyst's noiseless order on the pre-rank's requests of every
+    split (a row per request, valid, no tokens), its node on rank 0 beside the pre-rank's."""
+    _, requests = world
+    params = _params(CAP)
+    inputs = analyst_inputs(n_users=N_USERS, splits=("test", "valid"))
+    rows = rerank_analyst(
+        requests, inputs["candidates"], inputs["evidence"], inputs["splits"], inputs["items"], params
+    )
+    floor = rerank_prerank(requests, params)
+    keys = ["split", "user_id", "point", "target"]
+    assert set(rows["system"]) == {"analyst"} and _n_by_pass(rows) == _n_by_pass(floor)
+    pd.testing.assert_frame_equal(rows[keys], floor[keys])
+    assert rows["valid"].all() and (rows["nfe"] == 0).all() and (rows["output_tokens"] == 0).all()
+    assert [sorted(r) for r in rows["ranking"]] == [sorted(p) for p in floor["ranking"]]
+    nodes = {n.name: n for n in create_pipeline().nodes}
+    assert set(nodes["rerank_analyst"].inputs) == {
+        "requests", "candidates", "evidence", "splits", "items", "params:inference"
+    }  # fmt: skip
+    assert nodes["combine_rankings"].inputs[:3] == ["rankings_prerank", "rankings_analyst", "reranked_ar_sft"]
+    assert not nodes["rerank_analyst"].tags and not nodes["rerank_prerank"].tags  # rank 0 alone

@@ -33,7 +33,8 @@ def default_pipeline():
 
 def _decoding(pipeline) -> set[str]:
     """The inference nodes of the model systems: each process decodes its share of their requests."""
-    return {n.name for n in pipeline.nodes if n.name.startswith("rerank_") and n.name != "rerank_prerank"}
+    unmodelled = {"rerank_prerank", "rerank_analyst"}  # no model: rank 0
+    return {n.name for n in pipeline.nodes if n.name.startswith("rerank_") and n.name not in unmodelled}
 
 
 def test_training_and_decoding_nodes_run_on_every_rank_and_nothing_else_but_the_starting_model(

@@ -24,14 +24,15 @@ def _stage(system: str, tau: float | None, window: int | None = None, r1: float 
     return {"system": system, "tau": tau, "window": window, "split": "test", "n": 10, **metrics, "ci": CI}
 
 
-STAGES = [_stage("prerank", None, r1=0.19), _stage("ar_rl", None, r1=0.2), _stage("rl", 0.9, r1=0.21),
-          _stage("rl", 0.4, 4, r1=0.15)]  # fmt: skip
+STAGES = [_stage("prerank", None, r1=0.19), _stage("analyst", None, r1=0.3), _stage("ar_rl", None, r1=0.2),
+          _stage("rl", 0.9, r1=0.21), _stage("rl", 0.4, 4, r1=0.15)]  # fmt: skip
 
 
 def _rankings() -> pd.DataFrame:
     rows = []
     for system, tau, window, tokens, nfe in (
         ("prerank", math.nan, math.nan, 0, 0),
+        ("analyst", math.nan, math.nan, 0, 0),
         ("ar_rl", math.nan, math.nan, 100, 100),
         ("rl", 0.9, math.nan, 100, 40),
         ("rl", 0.4, 4.0, 100, 25),
@@ -90,7 +91,7 @@ def test_frontier_points_take_tokens_per_s_at_batch_1_under_the_grammar_only() -
         ("ar_rl", None, None),
         ("rl", 0.9, None),
         ("rl", 0.4, 4),
-    }  # prerank decodes nothing
+    }  # neither the prerank nor the analyst decodes anything
     assert (
         points[("ar_rl", None, None)]["tokens_per_s"] == 100.0
         and points[("rl", 0.4, 4)]["tokens_per_s"] == 250.0
@@ -114,6 +115,13 @@ def test_absent_files_are_named_with_the_command_that_writes_them() -> None:
         assert f"*`{name}` is absent from this run: `{command}` writes it.*" in text
     assert "| rl | 0.4 | 4 |  | 10 | 0.1500 [0.100, 0.600] |" in text  # a stage row, with its interval
     assert "| prerank | — | — |  | 10 |" in text and text.count("](plots/") == 3
+    # the teacher's ceiling beside the pre-rank: no tokens per forward, named in the table's note
+    stage = text.split("## Stage table (test)")[1].split("\n## ")[0]
+    systems = [line.split(" | ")[0].lstrip("| ") for line in stage.splitlines() if line.startswith("| ")]
+    assert systems[1:4] == ["prerank", "analyst", "ar_rl"]  # after the header
+    assert "| analyst | — | — |  | 10 | 0.3000 [0.100, 0.600] |" in stage
+    assert next(line for line in stage.splitlines() if line.startswith("| analyst |")).endswith("| — |")
+    assert "*analyst*: the learned analyst's noiseless order" in stage
 
 
 def test_benchmark_rows_make_a_table_and_a_batch_plot() -> None:

@@ -170,3 +170,22 @@ def test_the_report_starts_with_the_same_table(tmp_path: Path) -> None:
     first = report.index("\n## ")
     assert report[first:].startswith("\n## Results\n\n" + table)
     assert table in results_markdown(folder)
+
+
+def test_the_analyst_sits_after_the_prerank_with_no_speed_figures(tmp_path: Path) -> None:
+    """The learned analyst's noiseless order (the teacher's ceiling) is a row of the table, not served."""
+    folder = reporting(tmp_path)
+    stages = json.loads((folder / "stage_metrics.json").read_text())
+    stages.insert(1, stage("analyst", None, None, 0.3, 1.0))
+    write(folder, "stage_metrics.json", stages)
+    write(folder, "comparisons.json", [*json.loads((folder / "comparisons.json").read_text()),
+                                       paired("analyst", None, "prerank", 0.11)])  # fmt: skip
+    table = results_markdown(folder)
+    names = [line.split(" | ")[0].lstrip("| ") for line in table.splitlines() if line.startswith("| ")]
+    assert names[1:4] == ["prerank", "analyst", "ar_rl"]
+    analyst = cells(table, "analyst")
+    assert analyst[1] == "teacher's ceiling, not served" and analyst[3] == "0.300 [0.250, 0.350]"
+    assert analyst[5] == "+0.110 [+0.070, +0.150]" and analyst[9:] == ["-"] * 4
+    assert "analyst: the learned analyst's noiseless order" in table
+    (tmp_path / "without").mkdir()
+    assert "analyst:" not in results_markdown(reporting(tmp_path / "without"))  # older runs: no row, no note

@@ -17,6 +17,8 @@ from typing import Any
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 
+from diffusion_gr2.core.evaluate.tables import NO_MODEL_SYSTEMS
+
 __all__ = [
     "frontier_figure",
     "metric_figure",
@@ -29,6 +31,7 @@ __all__ = [
 
 _COLORS = {  # one colour per system, stable across figures
     "prerank": "#7f7f7f",
+    "analyst": "#bcbd22",  # the learned analyst's noiseless order: the teacher's ceiling
     "ar_sft": "#9467bd",
     "ar_rl": "#d62728",
     "naive": "#8c564b",
@@ -75,16 +78,20 @@ def _color(system: str) -> str:
 
 
 def metric_figure(stage_rows: Sequence[Mapping[str, Any]], metric: str = "recall@1") -> Figure:
-    """One point per (system, tau) with its 95% bootstrap interval; the pre-rank as a dashed floor."""
+    """One point per (system, tau) with its 95% bootstrap interval; the pre-rank as a dashed floor and
+    the analyst as a dotted ceiling (the teacher's)."""
     fig = Figure(figsize=(max(6.0, 0.7 * len(stage_rows) + 2.0), 4.0), layout="constrained")
     ax = fig.add_subplot()
     for x, row in enumerate(stage_rows):
         low, high = row["ci"][metric]
         err = [[row[metric] - low], [high - row[metric]]]
         ax.errorbar(x, row[metric], yerr=err, fmt="o", capsize=4, color=_color(str(row["system"])))
-    floor = [r[metric] for r in stage_rows if r["system"] == "prerank"]
-    if floor:
-        ax.axhline(floor[0], ls="--", lw=1, color=_color("prerank"), label="pre-rank")
+    lines = {"prerank": ("--", "pre-rank"), "analyst": (":", "analyst (teacher's ceiling)")}
+    for system, (style, name) in lines.items():
+        level = [r[metric] for r in stage_rows if r["system"] == system]
+        if level:
+            ax.axhline(level[0], ls=style, lw=1, color=_color(system), label=name)
+    if any(r["system"] in lines for r in stage_rows):
         ax.legend(loc="lower right")
     ax.set_xticks(range(len(stage_rows)), [_label(r) for r in stage_rows], fontsize=8)
     ax.set_ylabel(f"{metric} (95% CI)")
@@ -118,10 +125,32 @@ def _yerr(value: float, low: float, high: float) -> list[list[float]]:
     return [[max(value - low, 0.0)], [max(high - value, 0.0)]]
 
 
+def _level_line(ax: Any, system: str, value: float | None, style: str) -> None:
+    """A labelled horizontal line at the R@1 of a system no model answers (the pre-rank, the analyst)."""
+    if value is None:
+        return
+    ax.axhline(value, ls=style, lw=1, color=_color(system))
+    ax.annotate(
+        system,
+        (0.01, value),
+        xycoords=("axes fraction", "data"),
+        xytext=(0, 3),
+        textcoords="offset points",
+        fontsize=8,
+        color=_color(system),
+    )
+
+
 def _frontier_panel(
-    ax: Any, points: Sequence[Mapping[str, Any]], x_key: str, floor: float | None, reference: str
+    ax: Any,
+    points: Sequence[Mapping[str, Any]],
+    x_key: str,
+    floor: float | None,
+    reference: str,
+    ceiling: float | None = None,
 ) -> None:
-    """R@1 (95% CI) against `x_key`: colour = system, marker = tau (hollow = a decoding window)."""
+    """R@1 (95% CI) against `x_key`: colour = system, marker = tau (hollow = a decoding window); the
+    pre-rank's R@1 (`floor`) dashed, the analyst's (`ceiling`) dotted."""
     for p in points:
         color, low, high = _color(str(p["system"])), *p["ci"]["recall@1"]
         filled = p.get("window") is None
@@ -141,17 +170,8 @@ def _frontier_panel(
         )
         if big:
             ax.annotate(reference, (p[x_key], p["recall@1"]), textcoords="offset points", xytext=(8, 8))
-    if floor is not None:
-        ax.axhline(floor, ls="--", lw=1, color=_color("prerank"))
-        ax.annotate(
-            "prerank",
-            (0.01, floor),
-            xycoords=("axes fraction", "data"),
-            xytext=(0, 3),
-            textcoords="offset points",
-            fontsize=8,
-            color=_color("prerank"),
-        )
+    _level_line(ax, "prerank", floor, "--")
+    _level_line(ax, "analyst", ceiling, ":")
     ax.set_ylabel("R@1 on test (95% CI)")
     ax.grid(alpha=0.3)
 
@@ -170,22 +190,26 @@ def _legend_handles(points: Sequence[Mapping[str, Any]]) -> list[Any]:
 
 
 def frontier_figure(
-    points: Sequence[Mapping[str, Any]], prerank_recall: float | None = None, reference: str = "ar_rl"
+    points: Sequence[Mapping[str, Any]],
+    prerank_recall: float | None = None,
+    reference: str = "ar_rl",
+    analyst_recall: float | None = None,
 ) -> Figure:
     """The speed/accuracy frontier on test, one point per (system, tau, window).
 
     Each point has `system, tau, window, recall@1, ci, tokens_per_forward` and `tokens_per_s` (None when
     the benchmark did not time that setting). Left: tokens per forward (from the rankings, every
     point, machine-independent); right: output tokens/s at batch 1 under the answer grammar (the
-    benchmark's timed settings only). The pre-rank decodes nothing: a dashed line at its R@1.
+    benchmark's timed settings only). The pre-rank and the analyst decode nothing: a dashed line at
+    the pre-rank's R@1, a dotted one at the analyst's (the teacher's ceiling).
     """
     fig = Figure(figsize=(12.0, 4.8), layout="constrained")
     left, right = fig.subplots(1, 2, sharey=True)
-    _frontier_panel(left, points, "tokens_per_forward", prerank_recall, reference)
+    _frontier_panel(left, points, "tokens_per_forward", prerank_recall, reference, analyst_recall)
     left.set_xlabel("output tokens per forward pass (rankings.parquet)")
     left.set_title("R@1 vs tokens per forward, every system and tau")
     timed = [p for p in points if p.get("tokens_per_s") is not None]
-    _frontier_panel(right, timed, "tokens_per_s", prerank_recall, reference)
+    _frontier_panel(right, timed, "tokens_per_s", prerank_recall, reference, analyst_recall)
     right.set_xlabel("output tokens/s, batch 1, under the grammar (benchmark.json)")
     right.set_title("R@1 vs tokens/s, the benchmark's settings")
     if not timed:
@@ -203,8 +227,9 @@ def frontier_figure(
 
 def own_valid_rate_figure(stage_rows: Sequence[Mapping[str, Any]]) -> Figure:
     """The model's own valid rate (`unforced_rate`, 95% CI) per stage, in pipeline order; one marker
-    per tau (hollow = a decoding window), AR stages as stars. The pre-rank writes nothing: left out."""
-    rows = [r for r in stage_rows if r["system"] != "prerank"]
+    per tau (hollow = a decoding window), AR stages as stars. The pre-rank and the analyst write
+    nothing (`NO_MODEL_SYSTEMS`): left out."""
+    rows = [r for r in stage_rows if r["system"] not in NO_MODEL_SYSTEMS]
     stages = list(dict.fromkeys(str(r["system"]) for r in rows))
     variants = list(dict.fromkeys((r["tau"], r.get("window")) for r in rows))
     fig = Figure(figsize=(max(6.0, 1.1 * len(stages) + 3.0), 4.2), layout="constrained")

@@ -186,6 +186,11 @@ def metrics_markdown(stage_rows: Sequence[Mapping[str, Any]]) -> str:
         "requests whose own valid answer is the pre-rank's list in the pre-rank's order (valid, "
         "but not re-ranked).\n"
     )
+    if any(row["system"] == "analyst" for row in stage_rows):
+        note += (
+            "analyst: the learned analyst's noiseless order over the evidence, the teacher's ceiling (no "
+            "model: no tokens, no forwards; prerank likewise).\n"
+        )
     return "# Stage metrics\n\n" + markdown_table(head, rows) + "\n" + note
 
 

@@ -36,6 +36,7 @@ from diffusion_gr2.core.evaluate.plots import (
 from diffusion_gr2.core.evaluate.results import results_table, runs_text
 from diffusion_gr2.core.evaluate.tables import (
     DASH,
+    NO_MODEL_SYSTEMS,
     interval,
     markdown_table,
     paired_cell,
@@ -149,7 +150,8 @@ def decoding_stats(rankings: pd.DataFrame) -> list[dict[str, Any]]:
 
 def frontier_points(inputs: ReportInputs) -> list[dict[str, Any]]:
     """One point per model variant on the reported split: R@1 and its interval, tokens per forward
-    (rankings) and output tokens/s at batch 1 under the grammar (benchmark.json; None if not timed)."""
+    (rankings) and output tokens/s at batch 1 under the grammar (benchmark.json; None if not timed).
+    The rows no model wrote (`NO_MODEL_SYSTEMS`) decode nothing: lines of the figure, not points."""
     decoding = {_key(d): d for d in inputs.decoding}
     timed = {
         (inputs.split, str(b["system"]), b["tau"], b["window"]): b["output_tokens_per_s"]
@@ -159,7 +161,7 @@ def frontier_points(inputs: ReportInputs) -> list[dict[str, Any]]:
     points = []
     for row in inputs.stage_metrics:
         key = _key(row)
-        if key[0] != inputs.split or row["system"] == "prerank" or key not in decoding:
+        if key[0] != inputs.split or row["system"] in NO_MODEL_SYSTEMS or key not in decoding:
             continue
         points.append(
             {
@@ -182,9 +184,11 @@ def _reported(inputs: ReportInputs) -> list[Mapping[str, Any]]:
 def report_figures(inputs: ReportInputs) -> dict[str, Figure]:
     """The report's figures by name (`PLOTS`); the batch sweep only when there is a benchmark."""
     reported = _reported(inputs)
-    prerank = next((r["recall@1"] for r in reported if r["system"] == "prerank"), None)
+    prerank, analyst = (
+        next((r["recall@1"] for r in reported if r["system"] == s), None) for s in NO_MODEL_SYSTEMS
+    )
     figures = {
-        "frontier": frontier_figure(frontier_points(inputs), prerank, inputs.reference),
+        "frontier": frontier_figure(frontier_points(inputs), prerank, inputs.reference, analyst),
         "own_valid_rate": own_valid_rate_figure(reported),
         "training_curves": training_curves_figure(inputs.training_curves),
     }
@@ -353,7 +357,7 @@ def _stage_section(inputs: ReportInputs) -> str:
     rows = []
     for row in _reported(inputs):
         at = (row["system"], row["tau"], row.get("window"))
-        tpf = decoding.get(_key(row), {}).get("tokens_per_forward") or None  # the pre-rank decodes nothing
+        tpf = decoding.get(_key(row), {}).get("tokens_per_forward") or None  # NO_MODEL_SYSTEMS: none
         cells = [
             str(row["system"]),
             tau_cell(row),
@@ -378,7 +382,13 @@ def _stage_section(inputs: ReportInputs) -> str:
         "the model's own valid-output rate; *own valid, pre-rank's order*: of those, the answers that "
         "copy the pre-rank's list unchanged. *vs ar_rl*, *vs pre-rank*: the paired R@1 difference on the "
         "same requests, with its 95% interval (`comparisons.json`). "
-        "tokens/forward: output tokens over forward passes (`rankings.parquet`).\n\n"
+        + (
+            "*analyst*: the learned analyst's noiseless order over the evidence (no model), the "
+            "teacher's ceiling: a model trained on its traces can at best learn what it knows. "
+            if any(r["system"] == "analyst" for r in _reported(inputs))
+            else ""
+        )
+        + "tokens/forward: output tokens over forward passes (`rankings.parquet`).\n\n"
         + markdown_table(head, rows)
     )
     return text + "\n\n" + _operating_point_section(inputs)
@@ -626,7 +636,7 @@ def _plots_section(inputs: ReportInputs, figures: Mapping[str, Figure]) -> str:
         "frontier": "Speed/accuracy frontier on test: R@1 (95% CI) against tokens per forward (every "
         "system and tau) and against measured tokens/s (the benchmark's settings). Colour = system, "
         f"marker = tau (hollow = a decoding window), large star = `{inputs.reference}`, dashed line = "
-        "the pre-rank's R@1.",
+        "the pre-rank's R@1, dotted line = the analyst's (the teacher's ceiling).",
         "own_valid_rate": "The model's own valid-output rate per stage (answers decoded without the "
         "grammar), 95% CI.",
         "training_curves": _curves_caption(inputs),

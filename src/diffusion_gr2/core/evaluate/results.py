@@ -1,6 +1,7 @@
 """The results table of a run: one Markdown table from `data/08_reporting/`, and the line saying where.
 
-Per served system (`ar_rl`, and `rl` at its operating point) and the pre-rank, on the test split:
+Per served system (`ar_rl`, and `rl` at its operating point), the pre-rank and the learned analyst
+(its noiseless order, the teacher's ceiling; not served), on the test split:
 R@1 with its 95% interval, the paired R@1 difference to `ar_rl` and to the pre-rank, the model's own
 and the served valid rates, tokens per forward, and the speed-up over `ar_rl` at batch 1 and 16 (and
 over the fastest AR row of the benchmark) under the answer grammar, each with its interval. Then the
@@ -32,7 +33,14 @@ from diffusion_gr2.core.base.manifest import (
     load_reports,
 )
 from diffusion_gr2.core.base.speed import speedup
-from diffusion_gr2.core.evaluate.tables import interval, markdown_table, missing, paired_row, same_setting
+from diffusion_gr2.core.evaluate.tables import (
+    NO_MODEL_SYSTEMS,
+    interval,
+    markdown_table,
+    missing,
+    paired_row,
+    same_setting,
+)
 
 __all__ = ["MixedRunsError", "ResultsError", "results_markdown", "results_table", "runs_text"]
 
@@ -132,10 +140,12 @@ def _speed_cells(bench: Sequence[Mapping[str, Any]] | None, system: str, tau: An
 
 
 def _served(points: Mapping[str, Any] | None) -> list[tuple[str, Any, Any, str]]:
-    """(system, tau, window, operating point text) of each row: pre-rank, ar_rl, then each diffusion
-    system with an operating point, or its refusal (shown at its first test tau, marked not served)."""
+    """(system, tau, window, operating point text) of each row: pre-rank, the analyst (the teacher's
+    ceiling, not served), ar_rl, then each diffusion system with an operating point, or its refusal
+    (shown at its first test tau, marked not served)."""
     rows: list[tuple[str, Any, Any, str]] = [
         ("prerank", None, None, "retriever order"),
+        ("analyst", None, None, "teacher's ceiling, not served"),
         ("ar_rl", None, None, "AR"),
     ]
     for system, point in (points or {}).items():
@@ -257,7 +267,7 @@ def results_table(
                 "-" if diff is None else _interval(diff["mean_diff"], diff["low"], diff["high"], sign=True)
             )
         cells += [_fmt(row.get(k), 2) for k in ("unforced_rate", "prerank_copy_rate", "valid_rate")]
-        cells += ["-"] * 4 if system == "prerank" else _speed_cells(bench, system, tau, window)
+        cells += ["-"] * 4 if system in NO_MODEL_SYSTEMS else _speed_cells(bench, system, tau, window)
         rows.append(cells)
     ar = _stage(stages, "ar_rl", None, None)
     size = "" if ar is None else f" ({ar['n']} requests)"
@@ -268,6 +278,10 @@ def results_table(
         "it accepts; of which copies: own valid answers that are the pre-rank's list unchanged (the "
         "rest re-rank)."
     )
+    if any(cells[0] == "analyst" for cells in rows):
+        note += (
+            " analyst: the learned analyst's noiseless order, the teacher's ceiling (no model, not served)."
+        )
     return markdown_table(RESULTS_HEAD, rows) + "\n\n" + note + "\n"
 
 

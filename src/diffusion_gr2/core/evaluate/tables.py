@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 __all__ = [
+    "NO_MODEL_SYSTEMS",
     "interval",
     "markdown_table",
     "metric_cell",
@@ -25,6 +26,9 @@ __all__ = [
 ]
 
 DASH = "—"  # an empty setting (AR: no tau; the whole block: no window)
+# Rows no model wrote (no tokens, no forwards, no speed, no training curve): the retriever's order
+# (`prerank`) and the learned analyst's noiseless order, the teacher's ceiling (`analyst`).
+NO_MODEL_SYSTEMS = ("prerank", "analyst")
 
 
 def markdown_table(head: Sequence[str], rows: Sequence[Sequence[str]]) -> str:

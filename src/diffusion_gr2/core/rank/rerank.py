@@ -15,6 +15,10 @@ the `rankings.parquet` contract: every number in `stage_metrics.json` is recompu
 
 `tau` is the commit threshold of block diffusion; AR systems have none (NaN in the frame, null in
 JSON) and decode with block size 1 whatever their config says.
+
+Two systems answer without a model (`NO_MODEL_SYSTEMS`): the pre-rank (`prerank_rows`, the
+retriever's order, the floor) and the learned analyst (`analyst_rows`, its noiseless order over the
+evidence, the teacher's ceiling); their rows are valid, with no tokens and no forwards.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import pandas as pd
 import torch
 from tqdm.auto import tqdm
@@ -34,7 +39,9 @@ from diffusion_gr2.core.decode.decoder import DecodeConfig, DecodeOutput, decode
 from diffusion_gr2.core.decode.grammar import AnswerGrammar, accepts, answer_grammars
 from diffusion_gr2.core.decode.grammar_tokens import list_key_ids, sid_token_ids
 from diffusion_gr2.core.evaluate.metrics import own_valid_flags, user_values
+from diffusion_gr2.core.evaluate.tables import NO_MODEL_SYSTEMS
 from diffusion_gr2.core.rank.operating_point import floor_screen
+from diffusion_gr2.core.text.evidence import Evidence
 from diffusion_gr2.core.text.parser import OK, apply_fallback, parse_answer
 from diffusion_gr2.core.text.tokenizer import IM_END, decode_response
 
@@ -43,10 +50,13 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "AR_SYSTEMS",
     "DIFFUSION_SYSTEMS",
+    "NO_MODEL_SYSTEMS",
     "RANKING_COLUMNS",
     "SERVED_DIFFUSION",
     "SYSTEMS",
     "RerankConfig",
+    "analyst_order",
+    "analyst_rows",
     "decode_config_for",
     "decode_requests",
     "prerank_rows",
@@ -55,6 +65,7 @@ __all__ = [
     "rerank",
     "rerank_system",
     "request_grammars",
+    "request_histories",
     "resolve_device",
     "needs_own_pass",
     "own_answers",
@@ -66,7 +77,7 @@ __all__ = [
 ]
 
 # in report order (docs/architecture.md#names-and-report-files)
-SYSTEMS = ("prerank", "ar_sft", "ar_rl", "naive", "cft", "opd", "rl", "distilled")
+SYSTEMS = ("prerank", "analyst", "ar_sft", "ar_rl", "naive", "cft", "opd", "rl", "distilled")
 AR_SYSTEMS = ("ar_sft", "ar_rl")
 SID_SCOPES = ("answer", "list")  # where RerankConfig.sid_threshold holds
 DIFFUSION_SYSTEMS = ("naive", "cft", "opd", "rl", "distilled")
@@ -499,28 +510,87 @@ def rerank_screened(
     return pd.concat(frames, ignore_index=True), speeds
 
 
-def prerank_rows(requests: pd.DataFrame, split: str = "test") -> pd.DataFrame:
-    """The `prerank` system: the retriever's order served as is (valid, no tokens, no forwards)."""
+def _unmodelled_rows(
+    requests: pd.DataFrame, split: str, system: str, rankings: Sequence[Sequence[int]]
+) -> pd.DataFrame:
+    """Rows of a system no model answers (`NO_MODEL_SYSTEMS`): `rankings` served as they are, valid
+    and its own answer, with no tokens and no forwards."""
     prerank = [[int(i) for i in c] for c in requests["candidates"]]
     return pd.DataFrame(
         {
             "split": split,
-            "system": "prerank",
+            "system": system,
             "tau": float("nan"),
             "window": float("nan"),
             "user_id": requests["user_id"].astype("int64").to_numpy(),
             "point": requests["point"].astype("int64").to_numpy(),
             "target": requests["target"].astype("int64").to_numpy(),
             "prerank": prerank,
-            "ranking": [list(p) for p in prerank],
+            "ranking": [[int(i) for i in r] for r in rankings],
             "valid": True,
             "reason": OK,
             "output_tokens": 0,
             "nfe": 0,
             "forced": 0,
             "unforced": True,
-            "unforced_ranking": [list(p) for p in prerank],
+            "unforced_ranking": [[int(i) for i in r] for r in rankings],
             "output_text": "",
         },
         columns=list(RANKING_COLUMNS),
     )
+
+
+def prerank_rows(requests: pd.DataFrame, split: str = "test") -> pd.DataFrame:
+    """The `prerank` system: the retriever's order served as is (valid, no tokens, no forwards)."""
+    return _unmodelled_rows(requests, split, "prerank", list(requests["candidates"]))
+
+
+def request_histories(requests: pd.DataFrame, candidates: pd.DataFrame, split: str) -> list[list[int]]:
+    """Each request's history, from the `candidates` frame joined on (user_id, split, point); the
+    requests' own `split` where they carry one, else `split`."""
+    by_key = {
+        (str(s), int(u), int(p)): [int(i) for i in h]
+        for s, u, p, h in zip(
+            candidates["split"],
+            candidates["user_id"],
+            candidates["point"],
+            candidates["history"],
+            strict=True,
+        )
+    }
+    splits = requests["split"] if "split" in requests else [split] * len(requests)
+    keys = [
+        (str(s), int(u), int(p))
+        for s, u, p in zip(splits, requests["user_id"], requests["point"], strict=True)
+    ]
+    missing = [k for k in keys if k not in by_key]
+    if missing:
+        raise ValueError(f"{len(missing)} requests have no row in the candidates frame, e.g. {missing[:3]}")
+    return [by_key[k] for k in keys]
+
+
+def analyst_order(
+    evidence: Evidence, user_id: int, history: Sequence[int], candidates: Sequence[int]
+) -> list[int]:
+    """The candidates in the learned analyst's noiseless order: its scores over the evidence, best
+    first, the list position breaking ties (its first pick is `learned_analyst.top_hits`' argmax)."""
+    if evidence.ranker is None:
+        raise ValueError("the analyst's rows need evidence with the learned analyst's ranker; none was fit")
+    items = [int(i) for i in candidates]
+    scores = evidence.ranker.scores(evidence.table.raw(int(user_id), history, items))
+    return [items[k] for k in np.argsort(-scores, kind="stable")]
+
+
+def analyst_rows(
+    requests: pd.DataFrame, histories: pd.DataFrame, evidence: Evidence, split: str = "test"
+) -> pd.DataFrame:
+    """The `analyst` system: each request's candidates in the learned analyst's noiseless order (valid,
+    no tokens, no forwards). Its R@1 is the teacher's ceiling: a model trained on the analyst's traces
+    can at best learn what it knows (`trace_report.json` `analyst`, on the same requests).
+    `histories`: the `candidates` frame (its `history` column; the requests frame has none)."""
+    history = request_histories(requests, histories, split)
+    rankings = [
+        analyst_order(evidence, int(u), h, c)
+        for u, h, c in zip(requests["user_id"], history, requests["candidates"], strict=True)
+    ]
+    return _unmodelled_rows(requests, split, "analyst", rankings)

@@ -9,7 +9,8 @@ validation request, the systems of `valid_sweep` (which choose nothing: `rl`, th
 distillation) the first `sweep_max_requests`, and the others none (their rows would choose nothing
 and report what their test rows report). Test is
 decoded at every tau of the sweep and at that operating point, never used to choose. On test, the
-pre-rank, the reference AR system (`ar_rl`) and each served operating point answer every request;
+pre-rank, the learned analyst (its noiseless order, the teacher's ceiling; both splits, no model), the
+reference AR system (`ar_rl`) and each served operating point answer every request;
 `ar_sft` and the rest of the tau sweep answer the first `sweep_max_requests` (decoding is the run's
 cost; docs/evaluation.md).
 """
@@ -37,12 +38,14 @@ from diffusion_gr2.core.rank.rerank import (
     AR_SYSTEMS,
     RANKING_COLUMNS,
     RerankConfig,
+    analyst_rows,
     prepare_model,
     prerank_rows,
     rerank_system,
     select_requests,
 )
 from diffusion_gr2.core.runs.mlflow_utils import as_metrics_history
+from diffusion_gr2.core.text.evidence import evidence_from_spec
 
 
 def _split_requests(requests: pd.DataFrame, params: dict[str, Any], split: str) -> pd.DataFrame:
@@ -87,6 +90,24 @@ def _test_passes(
 def rerank_prerank(requests: pd.DataFrame, params: dict[str, Any]) -> pd.DataFrame:
     """The retriever's order served as is, on every split: the floor every model must beat."""
     frames = [prerank_rows(_split_requests(requests, params, s), s) for s in params["splits"]]
+    return pd.concat(frames, ignore_index=True)
+
+
+def rerank_analyst(
+    requests: pd.DataFrame,
+    candidates: pd.DataFrame,
+    evidence: dict[str, Any],
+    splits: pd.DataFrame,
+    items: pd.DataFrame,
+    params: dict[str, Any],
+) -> pd.DataFrame:
+    """The learned analyst's noiseless order on the pre-rank's requests of every split: the teacher's
+    ceiling (`evidence.json` holds its ranker; the counts are rebuilt from the training sequences,
+    the histories read from `candidates`)."""
+    analyst = evidence_from_spec(evidence, splits, items)
+    frames = [
+        analyst_rows(_split_requests(requests, params, s), candidates, analyst, s) for s in params["splits"]
+    ]
     return pd.concat(frames, ignore_index=True)
 
 
@@ -184,8 +205,8 @@ def solo_timer(timer: TimeCandidates, shards: Shards | None) -> TimeCandidates:
 def combine_rankings(*results: pd.DataFrame | dict[str, Any]) -> dict[str, Any]:
     """All systems' rows in one frame, the operating points, and per-variant decoding figures for MLflow.
 
-    `results`: the pre-rank's frame (`rerank_prerank`) and each model system's node output (a dict,
-    `make_rerank_node`)."""
+    `results`: the frames of the systems no model answers (`rerank_prerank`, `rerank_analyst`) and
+    each model system's node output (a dict, `make_rerank_node`)."""
     frames, operating_points = [], {}
     for result in results:
         if isinstance(result, dict):

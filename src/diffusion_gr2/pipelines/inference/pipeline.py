@@ -1,4 +1,5 @@
 """inference: every system re-ranks the validation and test requests; diffusion systems per tau.
+The pre-rank and the learned analyst (the teacher's ceiling) answer without a model.
 
 One node per system, so `create_pipeline(systems=...)` can leave out systems whose model is not
 trained yet (Kedro parameters are not available when pipelines are built). Each model system's node
@@ -16,21 +17,32 @@ from kedro.pipeline import Node, Pipeline
 from diffusion_gr2.core.rank.rerank import AR_SYSTEMS, SYSTEMS
 from diffusion_gr2.runner import ALL_RANKS
 
-from .nodes import combine_rankings, make_rerank_node, rerank_prerank
+from .nodes import combine_rankings, make_rerank_node, rerank_analyst, rerank_prerank
 
 __all__ = ["SYSTEMS", "create_pipeline"]
 
 REFERENCE = "ar_rl"  # operating points are chosen against this system's validation R@1
+# The systems no model answers (rerank.NO_MODEL_SYSTEMS), each node's function and inputs; rank 0
+# runs them. The analyst's order needs each request's history (`candidates`) and the evidence.
+NO_MODEL_NODES = {
+    "prerank": (rerank_prerank, ["requests", "params:inference"]),
+    "analyst": (
+        rerank_analyst,
+        ["requests", "candidates", "evidence", "splits", "items", "params:inference"],
+    ),
+}
 
 
 def _output(system: str) -> str:
-    """The pre-rank gives a rankings frame; every model system its rankings and operating point."""
-    return "rankings_prerank" if system == "prerank" else f"reranked_{system}"
+    """A system no model answers gives a rankings frame; every model system its rankings and
+    operating point."""
+    return f"rankings_{system}" if system in NO_MODEL_NODES else f"reranked_{system}"
 
 
 def _system_node(system: str, systems: Sequence[str]) -> Node:
-    if system == "prerank":
-        return Node(rerank_prerank, ["requests", "params:inference"], _output(system), name="rerank_prerank")
+    if system in NO_MODEL_NODES:
+        func, inputs = NO_MODEL_NODES[system]
+        return Node(func, inputs, _output(system), name=f"rerank_{system}")
     inputs = [f"model_{system}", "requests", "tokenizer", "params:inference", "params:policy"]
     if system not in AR_SYSTEMS and REFERENCE in systems:  # its rankings and its model (timed beside)
         inputs += [_output(REFERENCE), f"model_{REFERENCE}"]
