@@ -29,7 +29,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import pandas as pd
 import torch
 from tqdm.auto import tqdm
@@ -572,13 +571,12 @@ def request_histories(requests: pd.DataFrame, candidates: pd.DataFrame, split: s
 def analyst_order(
     evidence: Evidence, user_id: int, history: Sequence[int], candidates: Sequence[int]
 ) -> list[int]:
-    """The candidates in the learned analyst's noiseless order: its scores over the evidence, best
-    first, the list position breaking ties (its first pick is `learned_analyst.top_hits`' argmax)."""
+    """The candidates in the learned analyst's noiseless order (`Evidence.order`; its first pick is
+    `learned_analyst.top_hits`' argmax)."""
     if evidence.ranker is None:
         raise ValueError("the analyst's rows need evidence with the learned analyst's ranker; none was fit")
     items = [int(i) for i in candidates]
-    scores = evidence.ranker.scores(evidence.table.raw(int(user_id), history, items))
-    return [items[k] for k in np.argsort(-scores, kind="stable")]
+    return [items[k] for k in evidence.order(evidence.table.raw(int(user_id), history, items))]
 
 
 def analyst_rows(

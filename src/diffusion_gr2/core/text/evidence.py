@@ -316,25 +316,27 @@ class Evidence:
         """Per candidate, the text the prompt appends to its line."""
         return [evidence_text(row) for row in self.levels(user_id, history, candidates)]
 
-    def favoured(self, user_id: int, history: Sequence[int], candidates: Sequence[int]) -> list[int]:
-        """Indices of the `hint` candidates the ranker scores highest, best first (the list position
-        breaks ties)."""
+    def order(self, raw: np.ndarray) -> list[int]:
+        """Candidate indices by the learned analyst's noiseless scores of `raw` (`table.raw`), best
+        first, the list position breaking ties."""
         if self.ranker is None:
-            raise ValueError("traces.evidence.hint needs the learned analyst's ranker; none was fit")
-        scores = self.ranker.scores(self.table.raw(user_id, history, candidates))
-        return [int(k) for k in np.argsort(-scores, kind="stable")[: self.table.config.hint]]
+            raise ValueError("the evidence's order needs the learned analyst's ranker; none was fit")
+        return [int(k) for k in np.argsort(-self.ranker.scores(raw), kind="stable")]
+
+    def favoured(self, user_id: int, history: Sequence[int], candidates: Sequence[int]) -> list[int]:
+        """Indices of the `hint` candidates the ranker scores highest, best first."""
+        return self.order(self.table.raw(user_id, history, candidates))[: self.table.config.hint]
 
     def for_prompt(
         self, user_id: int, history: Sequence[int], candidates: Sequence[int]
     ) -> PromptEvidence | None:
-        """What one request's prompt shows of the evidence (None: nothing)."""
+        """What one request's prompt shows of the evidence (None: nothing); its signals counted once."""
         config = self.table.config
         if not config.shown:
             return None
-        return PromptEvidence(
-            lines=tuple(self.lines(user_id, history, candidates)) if config.in_prompt else None,
-            favoured=tuple(self.favoured(user_id, history, candidates)) if config.hint else (),
-        )
+        raw = self.table.raw(user_id, history, candidates)
+        lines = tuple(evidence_text(row) for row in self.scale.levels(raw)) if config.in_prompt else None
+        return PromptEvidence(lines, tuple(self.order(raw)[: config.hint]))
 
 
 def evidence_spec(evidence: Evidence) -> dict[str, Any]:

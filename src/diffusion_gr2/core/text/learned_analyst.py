@@ -55,18 +55,24 @@ class LearnedAnalyst:
             raise ValueError("a learned analyst needs evidence with a fit ranker (fit_learned_analyst)")
         self.evidence, self.ranker, self.lookup = evidence, evidence.ranker, lookup
         self.config, self.prompt_config = config, prompt_config
+        self._last: tuple[RerankExample, np.ndarray] | None = None
+
+    def _raw(self, example: RerankExample) -> np.ndarray:
+        """The example's signals, counted once for the proposals rejection sampling makes in a row."""
+        if self._last is None or self._last[0] != example:
+            raw = self.evidence.table.raw(example.user_id, example.history, example.candidates)
+            self._last = (example, raw)
+        return self._last[1]
 
     def scores(self, example: RerankExample) -> np.ndarray:
         """[n] noiseless logits of the candidates, in pre-rank order."""
-        return self.ranker.scores(
-            self.evidence.table.raw(example.user_id, example.history, example.candidates)
-        )
+        return self.ranker.scores(self._raw(example))
 
     def _reason(self, example: RerankExample, pick: int) -> str:
         """The two signals that lift the pick most above the other candidates, as the prompt shows
         them (`co 4, fit 3` with levels, `watched with the history` with the hint only); the list
         position where no signal does."""
-        raw = self.evidence.table.raw(example.user_id, example.history, example.candidates)
+        raw = self._raw(example)
         x = self.ranker.design(raw)
         coef, s = np.asarray(self.ranker.coef), len(SIGNALS)
         part = x[:, :s] * coef[:s] + x[:, s : 2 * s] * coef[s : 2 * s]  # [n, signals] contributions
