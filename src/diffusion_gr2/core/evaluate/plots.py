@@ -77,6 +77,10 @@ def _color(system: str) -> str:
     return _COLORS.get(system, "#17becf")
 
 
+# The rows no model wrote are drawn as levels: the pre-rank's floor dashed, the analyst's ceiling dotted.
+_LEVEL_STYLES = {"prerank": "--", "analyst": ":"}
+
+
 def metric_figure(stage_rows: Sequence[Mapping[str, Any]], metric: str = "recall@1") -> Figure:
     """One point per (system, tau) with its 95% bootstrap interval; the pre-rank as a dashed floor and
     the analyst as a dotted ceiling (the teacher's)."""
@@ -86,12 +90,12 @@ def metric_figure(stage_rows: Sequence[Mapping[str, Any]], metric: str = "recall
         low, high = row["ci"][metric]
         err = [[row[metric] - low], [high - row[metric]]]
         ax.errorbar(x, row[metric], yerr=err, fmt="o", capsize=4, color=_color(str(row["system"])))
-    lines = {"prerank": ("--", "pre-rank"), "analyst": (":", "analyst (teacher's ceiling)")}
-    for system, (style, name) in lines.items():
+    names = {"prerank": "pre-rank", "analyst": "analyst (teacher's ceiling)"}
+    for system, style in _LEVEL_STYLES.items():
         level = [r[metric] for r in stage_rows if r["system"] == system]
         if level:
-            ax.axhline(level[0], ls=style, lw=1, color=_color(system), label=name)
-    if any(r["system"] in lines for r in stage_rows):
+            ax.axhline(level[0], ls=style, lw=1, color=_color(system), label=names[system])
+    if any(r["system"] in _LEVEL_STYLES for r in stage_rows):
         ax.legend(loc="lower right")
     ax.set_xticks(range(len(stage_rows)), [_label(r) for r in stage_rows], fontsize=8)
     ax.set_ylabel(f"{metric} (95% CI)")
@@ -125,11 +129,11 @@ def _yerr(value: float, low: float, high: float) -> list[list[float]]:
     return [[max(value - low, 0.0)], [max(high - value, 0.0)]]
 
 
-def _level_line(ax: Any, system: str, value: float | None, style: str) -> None:
+def _level_line(ax: Any, system: str, value: float | None) -> None:
     """A labelled horizontal line at the R@1 of a system no model answers (the pre-rank, the analyst)."""
     if value is None:
         return
-    ax.axhline(value, ls=style, lw=1, color=_color(system))
+    ax.axhline(value, ls=_LEVEL_STYLES[system], lw=1, color=_color(system))
     ax.annotate(
         system,
         (0.01, value),
@@ -170,8 +174,8 @@ def _frontier_panel(
         )
         if big:
             ax.annotate(reference, (p[x_key], p["recall@1"]), textcoords="offset points", xytext=(8, 8))
-    _level_line(ax, "prerank", floor, "--")
-    _level_line(ax, "analyst", ceiling, ":")
+    _level_line(ax, "prerank", floor)
+    _level_line(ax, "analyst", ceiling)
     ax.set_ylabel("R@1 on test (95% CI)")
     ax.grid(alpha=0.3)
 
