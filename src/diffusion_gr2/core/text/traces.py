@@ -239,7 +239,7 @@ class RejectionStats:
     """Outcome of rejection sampling; rates are over examples whose target is among the candidates."""
 
     examples: int  # all examples seen
-    eligible: int  # examples whose target is a candidate (others cannot be accepted)
+    eligible: int  # examples that can be accepted: their target is a candidate (keep_within None: all)
     accepted: int
     acceptance_rate: float  # accepted / eligible
     mean_tries: float  # proposals per eligible example (a rejected one used max_tries)
@@ -251,24 +251,40 @@ def _is_permutation(ranking: Sequence[int], candidates: Sequence[int]) -> bool:
     return len(ranking) == len(candidates) and sorted(ranking) == sorted(candidates)
 
 
+def _accepts(ranking: Sequence[int], target: int, keep_within: int | None) -> bool:
+    """Whether an answer is kept: the target within its first `keep_within` (None: every answer)."""
+    return keep_within is None or target in ranking[:keep_within]
+
+
 def _sample_one(
-    teacher: Teacher, example: RerankExample, rng: np.random.Generator, max_tries: int
+    teacher: Teacher,
+    example: RerankExample,
+    rng: np.random.Generator,
+    max_tries: int,
+    keep_within: int | None = 1,
 ) -> tuple[TraceRow | None, int]:
-    """Propose until the top pick is the target; returns (row or None, tries used)."""
+    """Propose until the answer is accepted (`_accepts`); returns (row or None, tries used)."""
     for tries in range(1, max_tries + 1):
         explanation, ranking = teacher.propose(example, rng)
         if not _is_permutation(ranking, example.candidates):
             log.warning("teacher returned a ranking that is not a permutation (user %d)", example.user_id)
             continue
-        if ranking[0] == example.target:
+        if _accepts(ranking, example.target, keep_within):
             return TraceRow(example, explanation, tuple(int(i) for i in ranking), tries), tries
     return None, max_tries
 
 
 def rejection_sample(
-    teacher: Teacher, examples: Sequence[RerankExample], max_tries: int = 8, seed: int = 0
+    teacher: Teacher,
+    examples: Sequence[RerankExample],
+    max_tries: int = 8,
+    seed: int = 0,
+    keep_within: int | None = 1,
 ) -> tuple[list[TraceRow], RejectionStats]:
-    """Keep one trace per example whose top pick equals the target, within `max_tries` proposals.
+    """Keep one trace per example whose answer ranks the target within its first `keep_within` (1:
+    the top pick is the target, GR2's rule), within `max_tries` proposals. `keep_within=None` keeps
+    the first proposal of every example, its target a candidate or not: a teacher without noise
+    proposes one answer, and rejection only chooses which requests it teaches.
 
     Each example gets its own generator seeded by (seed, index), so results do not depend on how the
     examples are batched or on the other examples.
@@ -276,9 +292,10 @@ def rejection_sample(
     rows: list[TraceRow] = []
     tries_used: list[int] = []
     for index, example in enumerate(tqdm(examples, desc="traces", disable=None)):
-        if example.target not in example.candidates:
+        if keep_within is not None and example.target not in example.candidates:
             continue
-        row, tries = _sample_one(teacher, example, np.random.default_rng([seed, index]), max_tries)
+        rng = np.random.default_rng([seed, index])
+        row, tries = _sample_one(teacher, example, rng, max_tries, keep_within)
         tries_used.append(tries)
         if row is not None:
             rows.append(row)

@@ -115,7 +115,9 @@ def generate_traces(
     if not evidence.table.config.shown:
         popularity = popularity_from_histories(splits["train_items"])  # training data only: no leakage
         teacher = RuleBasedAnalyst(lookup, popularity, AnalystConfig(**params["analyst"]), prompt_config)
-    rows, stats = rejection_sample(teacher, train, params["max_tries"], params["seed"])
+    rows, stats = rejection_sample(
+        teacher, train, params["max_tries"], params["seed"], params["keep_within"]
+    )
     shown = evidence if evidence.table.config.shown else None
     sft = sft_frame(build_sft_rows(rows, lookup, prompt_config, shown))
     return sft, asdict(stats) | report, evidence_spec(evidence)
