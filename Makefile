@@ -56,7 +56,7 @@ run: setup
 
 # The longer recipe (more steps, the 10-item prompt): stronger models, ~43 min from scratch on two
 # cores (docs/experiments.md#training-budgets).
-FULL_PARAMS := teacher_midtrain.train.max_steps=2000,teacher_sft.train.max_steps=1000
+FULL_PARAMS := teacher_midtrain.train.max_steps=2000,teacher_sft.train.max_steps=1000,teacher_ei.train.max_steps=300
 FULL_PARAMS := $(FULL_PARAMS),teacher_rl.train.max_steps=240,cft.train.max_steps=600
 FULL_PARAMS := $(FULL_PARAMS),opd.train.max_steps=24,rl.train.max_steps=112
 FULL_PARAMS := $(FULL_PARAMS),traces.prompt.history_in_prompt=10,traces.prompt.title_words=6

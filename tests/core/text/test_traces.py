@@ -173,6 +173,28 @@ def test_rejection_sampling_stats_at_the_extremes(examples: list[RerankExample])
     assert contrarian.calls == 20 and math.isnan(stats.mean_tries_accepted)
 
 
+class _Second:
+    """Puts the target second (the list unchanged where the target is not a candidate)."""
+
+    def propose(self, example: RerankExample, rng: np.random.Generator) -> tuple[str, list[int]]:
+        if example.target not in example.candidates:
+            return "second", list(example.candidates)
+        rest = [c for c in example.candidates if c != example.target]
+        return "second", [rest[0], example.target, *rest[1:]]
+
+
+def test_keep_within_sets_how_high_the_answer_must_rank_the_target(examples: list[RerankExample]) -> None:
+    absent = replace(examples[0], target=-1)
+    batch = [*examples[:5], absent]
+    for keep_within, accepted, eligible in ((1, 0, 5), (2, 5, 5), (10, 5, 5), (None, 6, 6)):
+        rows, stats = rejection_sample(_Second(), batch, max_tries=3, seed=0, keep_within=keep_within)
+        assert (len(rows), stats.eligible) == (accepted, eligible), keep_within
+        assert all(r.tries == 1 for r in rows)  # accepted on the first proposal or never
+    # None keeps the example whose target is not a candidate, with the teacher's answer unchanged
+    rows, _ = rejection_sample(_Second(), batch, max_tries=3, seed=0, keep_within=None)
+    assert rows[-1].example == absent and rows[-1].ranking == tuple(_Second().propose(absent, None)[1])
+
+
 def test_sft_rows_parse_back_to_the_teacher_ranking(
     analyst: RuleBasedAnalyst, examples: list[RerankExample], lookup: ItemLookup, prompt_config: PromptConfig
 ) -> None:

@@ -4,8 +4,8 @@
 The default teacher is a rule-based analyst that ranks candidates from features visible in the prompt
 (shared categories with the recency-weighted history, brand, recency, popularity, list position) plus
 seeded Gumbel noise, and writes GR2's three-step trace (history patterns, category matching, final
-selection) citing SIDs. Rejection sampling keeps a trace only when the teacher's top pick is the target
-(GR2: this beats answer-given "targeted" traces).
+selection) citing SIDs. Rejection sampling keeps a trace only when the answer ranks the target high
+enough: by default its top pick is the target (GR2: this beats answer-given "targeted" traces).
 """
 
 from __future__ import annotations

@@ -90,11 +90,11 @@ def generate_traces(
     params: dict[str, Any],
     policy: dict[str, Any],
 ) -> tuple[pd.DataFrame, dict[str, Any], dict[str, Any]]:
-    """Teacher traces for the training rows, kept only when the top pick is the target: the learned
-    analyst's where the prompt shows evidence (`traces.evidence.in_prompt` or `hint`), the rule-based
-    analyst's otherwise. The learned analyst is fit either way: its ceiling is in the report. Also
-    the evidence's spec (`evidence.json`: settings, cuts and the analyst's ranker), which every
-    prompt builder reads."""
+    """Teacher traces for the training rows, kept where the answer ranks the target within
+    `keep_within`: the learned analyst's where the prompt shows evidence (`traces.evidence.in_prompt`
+    or `hint`), the rule-based analyst's otherwise. The learned analyst is fit either way: its ceiling
+    is in the report. Also the evidence's spec (`evidence.json`: settings, cuts and the analyst's
+    ranker), which every prompt builder reads."""
     prompt_config = PromptConfig(**params["prompt"])
     lookup = _lookup(items, sids, params)
     evidence = _evidence(candidates, items, splits, params)
@@ -115,9 +115,7 @@ def generate_traces(
     if not evidence.table.config.shown:
         popularity = popularity_from_histories(splits["train_items"])  # training data only: no leakage
         teacher = RuleBasedAnalyst(lookup, popularity, AnalystConfig(**params["analyst"]), prompt_config)
-    rows, stats = rejection_sample(
-        teacher, train, params["max_tries"], params["seed"], params["keep_within"]
-    )
+    rows, stats = rejection_sample(teacher, train, params["max_tries"], params["seed"], params["keep_within"])
     shown = evidence if evidence.table.config.shown else None
     sft = sft_frame(build_sft_rows(rows, lookup, prompt_config, shown))
     return sft, asdict(stats) | report, evidence_spec(evidence)
