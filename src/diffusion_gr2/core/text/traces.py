@@ -1,11 +1,13 @@
 """Reasoning traces: a pluggable teacher, rejection sampling, and SFT rows
 (docs/architecture.md#items-candidates-and-prompts).
 
-The default teacher is a rule-based analyst that ranks candidates from features visible in the prompt
-(shared categories with the recency-weighted history, brand, recency, popularity, list position) plus
-seeded Gumbel noise, and writes GR2's three-step trace (history patterns, category matching, final
-selection) citing SIDs. Rejection sampling keeps a trace only when the answer ranks the target high
-enough: by default its top pick is the target (GR2: this beats answer-given "targeted" traces).
+The rule-based analyst here ranks candidates from features visible in the prompt (shared categories
+with the recency-weighted history, brand, recency, popularity, list position) plus seeded Gumbel noise,
+and writes GR2's three-step trace (history patterns, category matching, final selection) citing SIDs;
+where the prompt shows evidence, the learned analyst (core/text/learned_analyst.py) writes the traces.
+Rejection sampling keeps a trace only when the answer ranks the target within `keep_within`: 1 is
+GR2's rule, the top pick is the target (it beats answer-given "targeted" traces); the default run
+keeps every answer of its noiseless learned analyst (`traces.keep_within: 10`).
 """
 
 from __future__ import annotations
@@ -236,7 +238,7 @@ class TraceRow:
 
 @dataclass(frozen=True)
 class RejectionStats:
-    """Outcome of rejection sampling; rates are over examples whose target is among the candidates."""
+    """Outcome of rejection sampling; rates are over the eligible examples."""
 
     examples: int  # all examples seen
     eligible: int  # examples that can be accepted: their target is a candidate (keep_within None: all)
