@@ -12,7 +12,8 @@ distillation). What it is taught here, from its own served decodes on training r
   predicted right is lowered (`losses.certainty_penalty`), so they clear tau sooner;
 * **only answers worth copying** (rejection sampling, as the traces stage keeps teacher traces): a
   decode is kept when its answer is valid, ranks the request's target within `max_target_rank`, at
-  least as high as the pre-rank did under `keep` (so copying the list is not what is paid for) and
+  least as high as the pre-rank did under `keep` (`no_worse`, `better`: so copying the list is not
+  what is paid for; the default `any` keeps every valid one: docs/evaluation.md) and
   (`grounded`) its explanation cites only SIDs its prompt shows: validity checks the list alone, and
   rounds that kept ungrounded explanations taught the model to cite items that do not exist.
   Decoded free by default (`grammar` off; jump-forward and the SID threshold as served): an answer is
