@@ -110,6 +110,43 @@ def test_prerank_copy_rate_counts_own_valid_answers_that_keep_the_prerank_order(
     assert M.system_metrics(no_prerank, n_boot=10)["prerank_copy_rate"] == 0.0
 
 
+def test_copy_against_evidence_counts_copies_only_where_the_evidence_ranks_another_first() -> None:
+    own_copy = {"target": 10, "prerank": [10, 11, 12], "valid": True, "ranking": [10, 11, 12]}
+    own_copy |= {"unforced": True, "unforced_ranking": [10, 11, 12]}
+    rows = [
+        own_copy | {"evidence_first": 11},  # copied although the evidence put 11 first
+        own_copy | {"evidence_first": 10},  # the evidence agrees with the retriever: the teacher copies too
+        own_copy | {"evidence_first": 11, "unforced_ranking": [11, 10, 12]},  # followed the evidence
+        own_copy | {"evidence_first": None},  # no evidence known
+    ]
+    out = M.system_metrics(rows, n_boot=10)
+    assert out["prerank_copy_rate"] == pytest.approx(3 / 4)
+    assert out["copy_against_evidence_rate"] == pytest.approx(1 / 4)
+
+
+def test_stage_metrics_read_the_evidence_from_the_analysts_rows() -> None:
+    def row(system: str, user: int, ranking: list[int]) -> dict:
+        return {
+            "split": "test",
+            "system": system,
+            "tau": None,
+            "window": None,
+            "user_id": user,
+            "point": 0,
+        } | {"target": 10, "prerank": [10, 11, 12], "ranking": ranking, "valid": True, "forced": 0}
+
+    frame = pd.DataFrame(
+        [row("analyst", 1, [11, 10, 12]), row("analyst", 2, [10, 12, 11])]
+        + [row("ar_rl", 1, [10, 11, 12]), row("ar_rl", 2, [10, 11, 12])]  # two copies, one against it
+    )
+    by_system = {r["system"]: r for r in stage_metrics(frame, n_boot=10)}
+    assert by_system["ar_rl"]["prerank_copy_rate"] == 1.0
+    assert by_system["ar_rl"]["copy_against_evidence_rate"] == pytest.approx(1 / 2)
+    assert by_system["analyst"]["copy_against_evidence_rate"] == 0.0
+    without = stage_metrics(frame[frame["system"] != "analyst"], n_boot=10)
+    assert without[0]["copy_against_evidence_rate"] == 0.0  # no analyst, no evidence to copy against
+
+
 def test_missing_ranking_falls_back_to_prerank() -> None:
     rows = [{"target": 12, "ranking": None, "prerank": PRE, "valid": False}]
     out = M.system_metrics(rows, n_boot=10)

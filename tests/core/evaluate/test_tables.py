@@ -2,9 +2,9 @@
 `stage_metrics.md` (`rankings.metrics_markdown`), the report's stage table and the results table.
 
 The three outputs are pinned to what they printed before they shared it (`golden_tables.md`, the
-same rows rendered by the code of commit 037ed68, with the `prerank_copy_rate` column, the results
-table's copies column and the stage table's paired columns added since):
-output unchanged.
+same rows rendered by the code of commit 037ed68, with the `prerank_copy_rate` and
+`copy_against_evidence_rate` columns, the results table's copies column and the stage table's paired
+columns added since): output unchanged.
 """
 
 from __future__ import annotations

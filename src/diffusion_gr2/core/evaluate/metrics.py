@@ -58,6 +58,7 @@ METRICS = (
     "fallback_rate",
     "recall@1_unforced",
     "prerank_copy_rate",
+    "copy_against_evidence_rate",
 )
 # What identifies a request (docs/evaluation.md): a user asked at one held-out time point of a split.
 # Systems are paired on it; a user alone is not enough once a user has several test points.
@@ -131,7 +132,12 @@ def user_values(frame: pd.DataFrame | Iterable[Mapping[str, Any]]) -> dict[str, 
     ``prerank_copy_rate`` is the share of rows whose own answer is valid and lists the candidates in
     the pre-rank's order, unchanged: a re-ranker that wrote a valid list without re-ranking it (the
     pre-rank itself: 1). A model can raise its own valid rate by copying the list it is shown; this
-    says how much of that rate re-ranks nothing.
+    says how much of that rate re-ranks nothing. ``copy_against_evidence_rate`` is the share of rows
+    whose own valid answer is such a copy although the evidence ranks another candidate first
+    (``evidence_first``: the learned analyst's first pick, which the prompt's hint names first;
+    rows without it count 0). Where the evidence agrees with the retriever's first, the teacher's
+    own answer is a copy too (its pick first, the retriever's order after); these copies are the ones
+    that ignore what the prompt says.
     """
     rows = _rows(frame)
     ranks = np.array([target_rank(_final_ranking(r), r["target"]) for r in rows], dtype=np.int64)
@@ -151,10 +157,7 @@ def user_values(frame: pd.DataFrame | Iterable[Mapping[str, Any]]) -> dict[str, 
         ],
         dtype=np.int64,
     )
-    copies = np.array(
-        [mine is not None and _same_order(mine, r.get("prerank")) for mine, r in zip(own, rows, strict=True)],
-        dtype=np.float64,
-    )
+    copies, against = _copy_flags(own, rows)
     return {
         "recall@1": recall_at_k(ranks, 1),
         "recall@3": recall_at_k(ranks, 3),
@@ -167,6 +170,7 @@ def user_values(frame: pd.DataFrame | Iterable[Mapping[str, Any]]) -> dict[str, 
         "fallback_rate": 1.0 - valid,
         "recall@1_unforced": recall_at_k(unforced_ranks, 1),
         "prerank_copy_rate": copies,
+        "copy_against_evidence_rate": against,
     }
 
 
@@ -180,6 +184,26 @@ def _same_order(ranking: Any, prerank: Any) -> bool:
     if ranking is None or prerank is None or isinstance(ranking, str) or len(prerank) == 0:
         return False
     return [int(i) for i in ranking] == [int(i) for i in prerank]
+
+
+def _copy_flags(own: Sequence[Any], rows: Sequence[Mapping[str, Any]]) -> tuple[np.ndarray, np.ndarray]:
+    """Per row: whether its own valid answer (`own`, None where invalid) is the pre-rank's list
+    unchanged, and whether it is such a copy although the evidence ranks another candidate first."""
+    copies = [
+        mine is not None and _same_order(mine, r.get("prerank")) for mine, r in zip(own, rows, strict=True)
+    ]
+    against = [
+        c and _evidence_differs(r.get("evidence_first"), r.get("prerank"))
+        for c, r in zip(copies, rows, strict=True)
+    ]
+    return np.array(copies, dtype=np.float64), np.array(against, dtype=np.float64)
+
+
+def _evidence_differs(first: Any, prerank: Any) -> bool:
+    """Whether the evidence's first pick is known and is not the pre-rank's first item."""
+    if first is None or prerank is None or len(prerank) == 0 or pd.isna(first):
+        return False
+    return int(first) != int(prerank[0])
 
 
 def own_valid_flags(rows: pd.DataFrame) -> pd.Series:

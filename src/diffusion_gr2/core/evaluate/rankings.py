@@ -17,6 +17,7 @@ import pandas as pd
 
 from diffusion_gr2.core.evaluate.metrics import (
     METRICS,
+    REQUEST_KEY,
     own_valid_flags,
     paired_bootstrap,
     request_key,
@@ -34,6 +35,7 @@ __all__ = [
     "rankings_summary",
     "stage_metrics",
     "system_key",
+    "with_evidence_first",
 ]
 
 
@@ -54,9 +56,25 @@ def stage_metrics(rankings: pd.DataFrame, n_boot: int = 1000, seed: int = 0) -> 
     tau is None for AR systems, window None for the whole block (and for AR systems).
     """
     rows = []
-    for key, group in _groups(rankings):
+    for key, group in _groups(with_evidence_first(rankings)):
         rows.append(key._asdict() | system_metrics(group, n_boot, seed))
     return rows
+
+
+def with_evidence_first(rankings: pd.DataFrame) -> pd.DataFrame:
+    """`rankings` with ``evidence_first`` on every row: the analyst's first item for the same request
+    (`REQUEST_KEY`), read from the analyst's rows; unchanged when it has none (no evidence in the run)."""
+    analyst = rankings[rankings["system"] == "analyst"]
+    if analyst.empty or "evidence_first" in rankings:
+        return rankings
+    key = [k for k in REQUEST_KEY if k in rankings]
+    first = {
+        tuple(k): int(ranking[0])
+        for k, ranking in zip(analyst[key].itertuples(index=False), analyst["ranking"], strict=True)
+        if len(ranking)
+    }
+    keys = rankings[key].itertuples(index=False)
+    return rankings.assign(evidence_first=[first.get(tuple(k)) for k in keys])
 
 
 class Variant(NamedTuple):
@@ -184,7 +202,9 @@ def metrics_markdown(stage_rows: Sequence[Mapping[str, Any]]) -> str:
         "without the grammar (a second, free pass) is valid and one the grammar accepts "
         "(equal to valid_rate when decoding is unconstrained); prerank_copy_rate: the share of "
         "requests whose own valid answer is the pre-rank's list in the pre-rank's order (valid, "
-        "but not re-ranked).\n"
+        "but not re-ranked); copy_against_evidence_rate: the share of requests whose own valid "
+        "answer is such a copy although the evidence (the analyst's first pick, the hint's first) "
+        "is another candidate.\n"
     )
     if any(row["system"] == "analyst" for row in stage_rows):
         note += (
