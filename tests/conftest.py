@@ -68,6 +68,18 @@ def make_project_copy(target: Path) -> Path:
     return target
 
 
+PREPARED_LAYERS = DATA_LAYERS[:5]  # 01_raw .. 05_model_input: what the four preparing stages write
+
+
+def prepared_project(dag_run: Path, target: Path) -> Path:
+    """A project copy at `target` holding the smoke run's data layers 01-05 (data, semantic IDs,
+    candidates and traces done); no model, checkpoint or report."""
+    project = make_project_copy(target)
+    for layer in PREPARED_LAYERS:
+        shutil.copytree(dag_run / "data" / layer, project / "data" / layer, dirs_exist_ok=True)
+    return project
+
+
 @contextmanager
 def isolated_project(target: Path) -> Iterator[Path]:
     """A project copy at `target`, made the working directory, with its own sqlite MLflow store."""

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -30,7 +29,7 @@ from kedro.config import OmegaConfigLoader
 from omegaconf import OmegaConf
 
 from diffusion_gr2.settings import CONFIG_LOADER_ARGS
-from tests.conftest import DATA_LAYERS, PROJECT_ROOT, make_project_copy
+from tests.conftest import PROJECT_ROOT, prepared_project
 
 ACCELERATE = PROJECT_ROOT / "conf" / "accelerate"
 ROLLOUT_STAGES = ("teacher_rl", "opd", "rl")
@@ -138,11 +137,9 @@ def _pretrained_directory(target: Path) -> Path:
 @pytest.mark.slow
 @pytest.mark.pretrained
 def test_the_training_dag_runs_with_the_gpu_environment_at_smoke_sizes(dag_run: Path, tmp_path: Path) -> None:
-    project = make_project_copy(tmp_path / "project")
     # the `gpu` environment sets training only: data, semantic IDs and candidates are the smoke run's
-    # (layers 01-05; the traces stage rewrites its own outputs there with the pretrained tokenizer)
-    for layer in DATA_LAYERS[:5]:
-        shutil.copytree(dag_run / "data" / layer, project / "data" / layer, dirs_exist_ok=True)
+    # (the traces stage rewrites its own outputs there with the pretrained tokenizer)
+    project = prepared_project(dag_run, tmp_path / "project")
     _gpu_at_smoke_sizes(project)
     env = {
         **os.environ,

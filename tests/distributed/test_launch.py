@@ -24,7 +24,7 @@ import pytest
 import safetensors.torch
 import torch
 
-from tests.conftest import DATA_LAYERS, make_project_copy
+from tests.conftest import prepared_project
 from tests.distributed.launching import accelerate_launch, launch_env
 
 BIN = Path(sys.executable).parent
@@ -35,7 +35,6 @@ ACCUMULATE = ",".join(
     f"{s}.train.grad_accum=2"
     for s in ("teacher_midtrain", "teacher_sft", "teacher_ei", "teacher_rl", "cft", "opd", "rl")
 )
-PREPARED_LAYERS = DATA_LAYERS[:5]  # 01_raw .. 05_model_input: what the four preparing stages write
 LONG_RL = "rl.train.max_steps=24"  # 6 rollout batches: time to kill a rank between checkpoints
 pytestmark = pytest.mark.skipif(not (BIN / "accelerate").exists(), reason="accelerate not installed")
 
@@ -80,9 +79,7 @@ def _runs(project: Path) -> list[tuple[str, str]]:
 def prepared(dag_run: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A smoke project with data, semantic IDs, retrieval and traces done: the session's smoke run's
     outputs of those stages (layers 01-05 and the tokenizer), no model, checkpoint or report."""
-    project = make_project_copy(tmp_path_factory.mktemp("prepared"))
-    for layer in PREPARED_LAYERS:
-        shutil.copytree(dag_run / "data" / layer, project / "data" / layer, dirs_exist_ok=True)
+    project = prepared_project(dag_run, tmp_path_factory.mktemp("prepared"))
     shutil.copytree(dag_run / "data/06_models/tokenizer", project / "data/06_models/tokenizer")
     return project
 

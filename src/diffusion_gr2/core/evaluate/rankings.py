@@ -17,7 +17,6 @@ import pandas as pd
 
 from diffusion_gr2.core.evaluate.metrics import (
     METRICS,
-    REQUEST_KEY,
     own_valid_flags,
     paired_bootstrap,
     request_key,
@@ -63,18 +62,12 @@ def stage_metrics(rankings: pd.DataFrame, n_boot: int = 1000, seed: int = 0) -> 
 
 def with_evidence_first(rankings: pd.DataFrame) -> pd.DataFrame:
     """`rankings` with ``evidence_first`` on every row: the analyst's first item for the same request
-    (`REQUEST_KEY`), read from the analyst's rows; unchanged when it has none (no evidence in the run)."""
+    (`request_key`), read from the analyst's rows; unchanged when it has none (no evidence in the run)."""
     analyst = rankings[rankings["system"] == "analyst"]
-    if analyst.empty or "evidence_first" in rankings:
+    if "evidence_first" in rankings or analyst.empty:
         return rankings
-    key = [k for k in REQUEST_KEY if k in rankings]
-    first = {
-        tuple(k): int(ranking[0])
-        for k, ranking in zip(analyst[key].itertuples(index=False), analyst["ranking"], strict=True)
-        if len(ranking)
-    }
-    keys = rankings[key].itertuples(index=False)
-    return rankings.assign(evidence_first=[first.get(tuple(k)) for k in keys])
+    first = {request_key(r): int(r["ranking"][0]) for r in analyst.to_dict("records") if len(r["ranking"])}
+    return rankings.assign(evidence_first=[first.get(request_key(r)) for r in rankings.to_dict("records")])
 
 
 class Variant(NamedTuple):
