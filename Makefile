@@ -75,9 +75,14 @@ run-distributed: setup
 	$(BIN)/accelerate launch --config_file $(ACCELERATE_CONFIG) --num_processes $(NPROC) \
 	  -m diffusion_gr2 run --env $(ENV) $(KEDRO_ARGS)
 
+# Two pytest-xdist workers: most of the suite's time is end-to-end runs (Kedro sessions, launches,
+# retrains) that leave one of two cores idle, and two workers take it from ~2x to ~1x the slowest
+# tests' length (docs/experiments.md#suite-time). Session fixtures (the smoke DAG run) run once per
+# worker. TEST_WORKERS=0 runs the suite in one process.
+TEST_WORKERS ?= 2
 test: setup setup-airflow
 	$(BIN)/ruff check src tests benchmarks
-	$(BIN)/pytest
+	$(BIN)/pytest -n $(TEST_WORKERS)
 
 lint: setup
 	$(BIN)/ruff check src tests benchmarks
