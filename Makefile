@@ -76,9 +76,9 @@ run-distributed: setup
 	  -m diffusion_gr2 run --env $(ENV) $(KEDRO_ARGS)
 
 # Two pytest-xdist workers: most of the suite's time is end-to-end runs (Kedro sessions, launches,
-# retrains) that leave one of two cores idle, and two workers take it from ~2x to ~1x the slowest
-# tests' length (docs/experiments.md#suite-time). Session fixtures (the smoke DAG run) run once per
-# worker. TEST_WORKERS=0 runs the suite in one process.
+# retrains) that leave one of two cores idle; two workers took it from 12.1 to 7.7 min on two cores
+# (docs/experiments.md#suite-time). Session fixtures (the smoke DAG run) run once per worker, so
+# more workers than cores only repeat them. TEST_WORKERS=0 runs the suite in one process.
 TEST_WORKERS ?= 2
 test: setup setup-airflow
 	$(BIN)/ruff check src tests benchmarks
