@@ -17,6 +17,7 @@ import pandas as pd
 
 from diffusion_gr2.core.evaluate.metrics import (
     METRICS,
+    REQUEST_KEY,
     own_valid_flags,
     paired_bootstrap,
     request_key,
@@ -66,8 +67,10 @@ def with_evidence_first(rankings: pd.DataFrame) -> pd.DataFrame:
     analyst = rankings[rankings["system"] == "analyst"]
     if "evidence_first" in rankings or analyst.empty:
         return rankings
-    first = {request_key(r): int(r["ranking"][0]) for r in analyst.to_dict("records") if len(r["ranking"])}
-    return rankings.assign(evidence_first=[first.get(request_key(r)) for r in rankings.to_dict("records")])
+    keys = [c for c in REQUEST_KEY if c in rankings]  # only these columns become dicts, not the texts
+    records = analyst[[*keys, "ranking"]].to_dict("records")
+    first = {request_key(r): int(r["ranking"][0]) for r in records if len(r["ranking"])}
+    return rankings.assign(evidence_first=[first.get(request_key(r)) for r in rankings[keys].to_dict("records")])
 
 
 class Variant(NamedTuple):
